@@ -1,1 +1,20 @@
-"""placeholder"""
+"""stitch-clip: the CLIP ViT-B/32 image encoder (49 patch tokens x 768) and its rollout payload."""
+
+from __future__ import annotations
+
+from stitch.hookspecs import hookimpl
+from stitch.payloads import feature_payload_spec
+from stitch_clip.encoder import CLIP_B32, CLIP_TINY, FEATURE_WIDTH, TOKENS_PER_ITEM
+
+__all__ = ["register_encoders", "register_rollout_payloads"]
+
+
+@hookimpl
+def register_encoders(register):
+    register(CLIP_B32)
+    register(CLIP_TINY)
+
+
+@hookimpl
+def register_rollout_payloads(register):
+    register(feature_payload_spec("clip_image", "image", TOKENS_PER_ITEM, FEATURE_WIDTH))
