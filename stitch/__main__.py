@@ -1,0 +1,5 @@
+"""``python -m stitch`` runs the CLI."""
+
+from stitch.cli import app
+
+app()

@@ -1,0 +1,238 @@
+"""The plugin core: discovery through real entry points, stamping, refusals, env filters, docs."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from stitch import hookspecs
+from stitch.hookspecs import hookimpl
+from stitch.plugins import KINDS, PluginError, RegistryLookupError, load_plugins
+from stitch.specs import (
+    EncoderSpec,
+    ModelSource,
+    ModelSpec,
+    ProjectorSpec,
+    RecipeSpec,
+    RolloutEngineSpec,
+    RolloutPayloadSpec,
+    SentinelSpec,
+    StateDictAdapterSpec,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+HOOKS = sorted(name for name in dir(hookspecs) if name.startswith("register_"))
+
+
+def write_distribution(root: Path, dist: str, module: str, source: str, ep_name: str | None = None) -> None:
+    """A real installed distribution on a sys.path entry: dist-info with an entry point, plus its module."""
+    info = root / f"{dist.replace('-', '_')}-1.2.3.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text(f"[stitch]\n{ep_name or module} = {module}\n")
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("STITCH_LOAD_PLUGINS", raising=False)
+    monkeypatch.delenv("STITCH_DISABLED_PLUGINS", raising=False)
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith("fake_")]:
+        del sys.modules[name]
+
+
+GOOD = """
+from stitch.hookspecs import hookimpl
+from stitch.specs import ProjectorSpec
+@hookimpl
+def register_projectors(register):
+    register(ProjectorSpec(name="{name}", build=lambda w, h: None))
+"""
+
+
+def test_broken_plugin_is_reported_by_name_and_the_others_still_load(site):
+    write_distribution(site, "fake-broken", "fake_broken", "raise ImportError('needs libfoo 9')\n")
+    write_distribution(site, "fake-good", "fake_good", GOOD.format(name="good-proj"))
+    host = load_plugins()
+    assert [(f.distribution, f.name) for f in host.failures] == [("fake-broken", "fake_broken")]
+    assert "needs libfoo 9" in host.failures[0].error
+    assert host.get("projectors", "good-proj").name == "good-proj"
+    assert "fake-good" in [p["name"] for p in host.describe()]
+
+
+def test_duplicate_registration_is_refused_naming_both_plugins(site):
+    write_distribution(site, "fake-one", "fake_one", GOOD.format(name="same"))
+    write_distribution(site, "fake-two", "fake_two", GOOD.format(name="same"))
+    with pytest.raises(PluginError) as err:
+        load_plugins()
+    assert "fake-one" in str(err.value) and "fake-two" in str(err.value) and "'same'" in str(err.value)
+
+
+def test_misspelled_hook_implementation_fails_naming_the_plugin(site):
+    write_distribution(
+        site,
+        "fake-typo",
+        "fake_typo",
+        """
+        from stitch.hookspecs import hookimpl
+        @hookimpl
+        def register_encoder(register):
+            pass
+        """,
+    )
+    with pytest.raises(PluginError, match=r"fake-typo.*register_encoder"):
+        load_plugins()
+
+
+def test_hook_that_raises_is_reported_and_its_registrations_dropped(site):
+    write_distribution(
+        site,
+        "fake-raises",
+        "fake_raises",
+        """
+        from stitch.hookspecs import hookimpl
+        from stitch.specs import ProjectorSpec
+        @hookimpl
+        def register_projectors(register):
+            register(ProjectorSpec(name="half", build=lambda w, h: None))
+            raise RuntimeError("config file missing")
+        """,
+    )
+    host = load_plugins()
+    assert "half" not in host.names("projectors")
+    assert "config file missing" in host.failures[0].error and host.failures[0].name == "fake_raises"
+
+
+def test_wrong_spec_type_is_refused_naming_plugin_and_expected_type(site):
+    write_distribution(
+        site,
+        "fake-wrongtype",
+        "fake_wrongtype",
+        """
+        from stitch.hookspecs import hookimpl
+        @hookimpl
+        def register_encoders(register):
+            register({"name": "x"})
+        """,
+    )
+    with pytest.raises(PluginError, match=r"fake-wrongtype.*expected a EncoderSpec"):
+        load_plugins()
+
+
+def test_allow_and_block_lists_filter_by_distribution_or_entry_point_name(site, monkeypatch):
+    write_distribution(site, "fake-a", "fake_a", GOOD.format(name="proj-a"))
+    write_distribution(site, "fake-b", "fake_b", GOOD.format(name="proj-b"))
+    monkeypatch.setenv("STITCH_LOAD_PLUGINS", "fake-a")
+    assert "proj-a" in load_plugins().names("projectors")
+    assert "proj-b" not in load_plugins().names("projectors")
+    monkeypatch.delenv("STITCH_LOAD_PLUGINS")
+    monkeypatch.setenv("STITCH_DISABLED_PLUGINS", "fake_a")
+    names = load_plugins().names("projectors")
+    assert "proj-a" not in names and "proj-b" in names
+
+
+def test_missing_first_party_name_says_which_plugin_to_install(site, monkeypatch):
+    monkeypatch.setenv("STITCH_DISABLED_PLUGINS", "stitch-clip")
+    host = load_plugins()
+    with pytest.raises(RegistryLookupError) as err:
+        host.get("encoders", "clip-vit-base-patch32")
+    message = str(err.value)
+    assert "stitch-clip" in message and "pip install" in message
+
+
+def test_every_hook_is_documented_with_its_signature_and_has_a_test():
+    docs = (REPO / "docs" / "hooks.md").read_text()
+    tests = Path(__file__).read_text()
+    assert HOOKS == sorted(hook for hook, _, _ in KINDS.values())
+    for hook in HOOKS:
+        params = inspect.signature(getattr(hookspecs, hook)).parameters
+        signature = f"{hook}({', '.join(params)})"
+        assert f"## {signature}" in docs, f"docs/hooks.md lacks a section '## {signature}'"
+        assert getattr(hookspecs, hook).__doc__, f"{hook} has no docstring"
+        assert re.search(rf"^def test_hook_{hook}\b", tests, re.M), f"no test_hook_{hook} in {__file__}"
+
+
+# -- one test per hook: an in-process plugin registers through it and the entry is stamped -----------
+
+def _single(kind: str, spec) -> None:
+    hook = KINDS[kind][0]
+    plugin = type("InProcess", (), {hook: staticmethod(hookimpl(lambda register: register(spec)))})
+    host = load_plugins(extra={"in-process": plugin})
+    (reg,) = [r for r in host.registrations(kind) if r.name == spec.name]
+    assert reg.plugin == "in-process" and host.get(kind, spec.name) is spec
+    assert spec.name in host.describe()[-1]["registered"][kind]
+    assert hook in host.describe()[-1]["hooks"]
+
+
+SOURCE = ModelSource(local_path="/nonexistent")
+
+
+def test_hook_register_encoders():
+    _single("encoders", EncoderSpec("e", "image", 8, 4, SOURCE, load=print, decode_item=print))
+
+
+def test_hook_register_token_sentinels():
+    _single("token_sentinels", SentinelSpec("fam", "<s>", "<p>", "</s>"))
+
+
+def test_hook_register_models():
+    _single("models", ModelSpec("m", "Qwen3_5ForCausalLM", "fam", SOURCE, 64, ("q_proj",)))
+
+
+def test_hook_register_state_dict_adapters():
+    _single("state_dict_adapters", StateDictAdapterSpec("a", "vlm", "text", convert=dict))
+
+
+def test_hook_register_rollout_payloads():
+    _single("rollout_payloads", RolloutPayloadSpec("p", "image", ("p",), build=dict, validate=print))
+
+
+def test_hook_register_rollout_engines():
+    _single("rollout_engines", RolloutEngineSpec("eng", factory=print))
+
+
+def test_hook_register_projectors():
+    _single("projectors", ProjectorSpec("proj", build=lambda w, h: None))
+
+
+def test_hook_register_recipes():
+    _single("recipes", RecipeSpec("r", Path("/nonexistent.yaml")))
+
+
+def test_model_source_requires_a_pinned_revision_for_hub_ids():
+    with pytest.raises(ValueError, match="revision"):
+        ModelSource(repo_id="org/model")
+
+
+def test_cli_list_plugins_json_lists_the_first_party_plugins_with_hooks_and_registrations():
+    out = subprocess.run(
+        [sys.executable, "-m", "stitch", "list-plugins", "--json"], capture_output=True, text=True, check=True
+    ).stdout
+    plugins = {p["name"]: p for p in json.loads(out)["plugins"]}
+    assert "register_encoders" in plugins["stitch-clip"]["hooks"]
+    assert "clip-vit-base-patch32" in plugins["stitch-clip"]["registered"]["encoders"]
+    for dist in ("stitch-qwen", "stitch-nemotron"):
+        assert "register_models" in plugins[dist]["hooks"], dist
+        assert plugins[dist]["registered"]["models"], dist
+    assert "stitch" not in plugins  # built-ins only with --all
+
+
+def test_cli_with_only_qwen_enabled_lists_only_qwen_and_clip_lookup_names_the_plugin():
+    env = {**__import__("os").environ, "STITCH_LOAD_PLUGINS": "stitch-qwen"}
+    out = subprocess.run(
+        [sys.executable, "-m", "stitch", "list-plugins", "--json"],
+        capture_output=True, text=True, check=True, env=env,
+    ).stdout
+    assert [p["name"] for p in json.loads(out)["plugins"]] == ["stitch-qwen"]
+    code = "from stitch.plugins import get_host; get_host().get('encoders', 'clip-vit-base-patch32')"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode != 0 and "stitch-clip" in res.stderr and "pip install" in res.stderr
