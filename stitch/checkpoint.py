@@ -1,0 +1,90 @@
+"""Training checkpoints: ``checkpoints/step_N/`` (adapter, projector artifact, optimizer, RNG, data state),
+and ``checkpoints/LATEST`` naming the newest complete one, written atomically and last."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def latest_step_dir(root: Path) -> Path | None:
+    """The step directory ``root/LATEST`` names, or None when there is no checkpoint yet."""
+    latest = Path(root) / "LATEST"
+    if not latest.is_file():
+        return None
+    name = latest.read_text().strip()
+    step_dir = (Path(root) / name).resolve()
+    if step_dir.parent != Path(root).resolve() or not step_dir.is_dir():
+        raise FileNotFoundError(f"{latest} names {name!r}, which is not a step directory under {root}")
+    return step_dir
+
+
+def save_step(
+    root: Path,
+    step: int,
+    write_payload: Any,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write ``root/step_N`` in a temp dir, rename it into place, then point LATEST at it.
+
+    ``write_payload(dir)`` writes the model parts (adapter, projector artifact).
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=root))
+    try:
+        write_payload(tmp)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    write_text_atomic(root / "LATEST", final.name + "\n")
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_step_state(step_dir: Path, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Restore optimizer and RNG from ``step_dir`` (tensors only: weights_only=True); return its state."""
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(step_dir / "optimizer.pt", weights_only=True))
+    set_rng_state(torch.load(step_dir / "rng.pt", weights_only=True))
+    return json.loads((step_dir / "trainer_state.json").read_text())

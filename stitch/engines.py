@@ -1,0 +1,77 @@
+"""Rollout engines: generation from prompt embeddings (projected soft tokens already spliced in).
+
+The embedded engine runs transformers ``generate(inputs_embeds=...)`` on the policy itself, so a refit
+is a no-op; engines that hold their own weights (vLLM) receive merged weights through ``refit``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]  # the engine's log-prob of each sampled token (temperature applied)
+
+
+def left_pad(prompt_embeds: list[torch.Tensor], pad_embed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(e.shape[0] for e in prompt_embeds)
+    batch = pad_embed.expand(len(prompt_embeds), width, pad_embed.shape[-1]).clone()
+    mask = torch.zeros(len(prompt_embeds), width, dtype=torch.long, device=pad_embed.device)
+    for i, emb in enumerate(prompt_embeds):
+        batch[i, width - emb.shape[0] :] = emb
+        mask[i, width - emb.shape[0] :] = 1
+    return batch, mask
+
+
+class EmbeddedEngine:
+    """transformers generate on the live policy LM."""
+
+    name = "embedded"
+
+    def __init__(self, lm: Any, pad_id: int, eos_id: int) -> None:
+        self.lm = lm
+        self.pad_id = pad_id
+        self.eos_id = eos_id
+
+    def refit(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Nothing to do: the engine generates with the policy's own (adapter-carrying) weights."""
+
+    @torch.no_grad()
+    def generate(self, prompt_embeds: list[torch.Tensor], n: int, max_new_tokens: int,
+                 temperature: float = 1.0, greedy: bool = False) -> list[Completion]:
+        pad = self.lm.get_input_embeddings()(torch.tensor([self.pad_id], device=prompt_embeds[0].device))[0]
+        embeds, mask = left_pad(prompt_embeds, pad)
+        out = self.lm.generate(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=temperature if not greedy else None,
+            top_k=0 if not greedy else None,
+            top_p=1.0 if not greedy else None,
+            num_return_sequences=n,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        sequences = out.sequences[:, -len(out.logits):]
+        logits = torch.stack(out.logits, dim=1).float()  # [B*n, T, V], raw
+        scale = 1.0 if greedy else temperature
+        logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, sequences.unsqueeze(-1)).squeeze(-1)
+        completions = []
+        for i in range(sequences.shape[0]):
+            ids, lps = [], []
+            for tok, lp in zip(sequences[i].tolist(), logprobs[i].tolist(), strict=True):
+                ids.append(tok)
+                lps.append(lp)
+                if tok == self.eos_id:
+                    break
+            completions.append(Completion(i // n, ids, lps))
+        return completions

@@ -1,0 +1,268 @@
+"""GRPO: warm start from SFT behind the provenance gate, group sampling from a rollout engine, verifiable
+reward, group-normalised advantages, clipped policy loss and a KL leash to the SFT reference.
+
+Only the adapter trains by default; ``train_projector: true`` adds the projector as its own parameter
+group (constant LR only), logs its relative-L2 drift before every update, and anchors the KL reference to
+the warm-start projector.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from stitch.checkpoint import latest_step_dir, load_step_state, save_step, write_text_atomic
+from stitch.evaluation import evaluate_accuracy, parse_answer
+from stitch.packing import Sample, collate_packs
+from stitch.provenance import check_warm_start
+from stitch.recipe import Recipe, RecipeError
+from stitch.training import MetricsLog, audit_gradients, peak_memory_bytes, trainable_by_group
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_new_tokens: int = 10
+    temperature: float = 1.0
+    lr_adapter: float = 1e-4
+    lr_projector: float = 1e-5
+    schedule: str = "constant"
+    clip_eps: float = 0.2
+    kl_beta: float = 0.04
+    updates_per_batch: int = 1
+    train_projector: bool = False
+    engine: str = "embedded"
+    partition: str = "grpo"
+    eval_partition: str | None = "eval"
+    eval_rows: int = 64
+    save_every: int = 10
+    seed: int = 0
+    lora: dict[str, Any] | None = None  # must restate the SFT donor's rank and alpha
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> GRPOOptions:
+        raw = recipe.stage("grpo")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise RecipeError(f"recipe {recipe.name!r}: unknown field 'stages.grpo.{unknown[0]}'; known: {sorted(known)}")
+        opts = cls(**raw)
+        if opts.train_projector and opts.schedule != "constant":
+            raise RecipeError(
+                f"recipe {recipe.name!r}: field 'stages.grpo.schedule': the trainable-projector variant needs a "
+                f"constant LR schedule (a warm start's projector group must not be rescaled), got {opts.schedule!r}"
+            )
+        if opts.schedule not in ("constant", "cosine"):
+            raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.schedule': expected constant or cosine, "
+                              f"got {opts.schedule!r}")
+        if opts.group_size < 2:
+            raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.group_size': expected at least 2 "
+                              f"(advantages are normalised within a group), got {opts.group_size}")
+        return opts
+
+
+def reward(completion_text: str, gold_answer: str) -> float:
+    """1.0 when the first integer after "The answer is" equals the recorded one, else 0.0."""
+    got, want = parse_answer(completion_text), parse_answer(gold_answer)
+    return float(got is not None and got == want)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    groups = rewards.view(-1, group_size)
+    adv = (groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def token_logprobs(model: Any, batch: Any, temperature: float, params: dict[str, torch.Tensor] | None = None):
+    """Log-probs of each label token under ``model`` (or under ``params`` substituted into it)."""
+    logits = model.logits(batch) if params is None else _logits_with(model, params, batch)
+    logits = logits[:, :-1].float() / temperature
+    target = batch.labels[:, 1:]
+    mask = target != -100
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return lp, mask
+
+
+def _logits_with(model: Any, params: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+    """Logits with ``params`` (e.g. the reference adapter and projector) substituted for the live ones."""
+    return functional_call(model, params, (batch,), strict=False)
+
+
+def projector_drift(projector: torch.nn.Module, anchor: dict[str, torch.Tensor]) -> float:
+    num = sum(float((p.detach() - anchor[n]).pow(2).sum()) for n, p in projector.named_parameters())
+    den = sum(float(anchor[n].pow(2).sum()) for n, _ in projector.named_parameters())
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps: int | None = None,
+               progress: bool = True) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    from stitch.session import StitchSession
+
+    opts = GRPOOptions.from_recipe(recipe)
+    out_dir = Path(out_dir)
+    stage_dir = out_dir / "grpo"
+    ckpt_root = stage_dir / "checkpoints"
+    donor = latest_step_dir(out_dir / "sft" / "checkpoints")
+    if donor is None:
+        raise FileNotFoundError(f"grpo warm-starts from SFT, but {out_dir / 'sft' / 'checkpoints'} has no LATEST; "
+                                f"run `stitch train sft` first")
+    session = StitchSession.open(recipe, out_dir)
+    sft_lora = recipe.stage("sft").get("lora", {"r": 16, "alpha": 32})
+    lora = opts.lora or sft_lora
+    # the gate runs before any model weights load
+    check_warm_start(donor, {
+        "lora_r": int(lora.get("r", 16)),
+        "lora_alpha": int(lora.get("alpha", 32)),
+        "target_modules": list(session.model_spec.lora_target_modules),
+        "base_model": session.model_spec.name,
+        "feature_width": session.encoder_spec.feature_width,
+        "tokens_per_item": session.encoder_spec.tokens_per_item,
+        "sentinel_ids": session.sentinel_ids.as_dict(),
+        "projector_type": recipe.projector,
+    })
+    torch.manual_seed(opts.seed)
+    resume_dir = latest_step_dir(ckpt_root) if resume else None
+    model = session.build_model(stage="grpo", adapter_from=donor / "adapter", projector_from=donor / "projector",
+                                train_projector=opts.train_projector)
+    allowed = ("projector", "adapter") if opts.train_projector else ("adapter",)
+    audit_gradients(model, allowed)
+    # reference = the warm start: SFT adapter and SFT projector, frozen copies substituted at call time
+    reference = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    anchor = {n: p.detach().clone() for n, p in model.projector.named_parameters()}
+    groups = [{"params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n],
+               "lr": opts.lr_adapter, "name": "adapter"}]
+    if opts.train_projector:
+        groups.append({"params": list(model.projector.parameters()), "lr": opts.lr_projector, "name": "projector"})
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    engine = session.host.get("rollout_engines", opts.engine).factory(
+        model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id)
+    rows = list(session.data.rows(opts.partition))
+    rows = [r for r in rows if parse_answer(r.answer) is not None]
+    if not rows:
+        raise ValueError(f"grpo: partition {opts.partition!r} has no rows with a numeric answer")
+    rng = random.Random(opts.seed)
+    metrics = MetricsLog(stage_dir / "metrics.jsonl")
+    step = 0
+    if resume_dir is not None:
+        session.load_trainable(model, resume_dir)
+        state = load_step_state(resume_dir, optimizer)
+        version, internal, gauss = state["data_rng"]
+        rng.setstate((version, tuple(internal), gauss))
+        step = state["step"]
+        metrics.truncate_after(step)
+    else:
+        metrics.reset()
+    start_accuracy = None
+    if opts.eval_partition and step == 0:
+        start_accuracy = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
+    total = opts.steps if max_steps is None else min(opts.steps, max_steps)
+    bar = tqdm(total=total, initial=step, desc="grpo", disable=not progress, dynamic_ncols=True)
+    t_start = time.perf_counter()
+    timings = {"rollout": 0.0, "logprobs": 0.0, "train": 0.0, "refit": 0.0}
+    while step < total:
+        drawn = [rows[rng.randrange(len(rows))] for _ in range(opts.prompts_per_step)]
+        t0 = time.perf_counter()
+        model.eval()
+        with torch.no_grad():
+            prompts, feats = [], []
+            for row in drawn:
+                ids = session.prompt_ids(row.question, row.num_items)
+                f = session.data.features(row)
+                prompts.append((ids, f))
+                emb = model.embed(torch.tensor([ids], device=session.device), f.to(session.device), [row.id])[0]
+                feats.append(emb)
+            completions = engine.generate(feats, opts.group_size, opts.max_new_tokens, opts.temperature)
+        timings["rollout"] += time.perf_counter() - t0
+        texts = session.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        rewards = torch.tensor([reward(t, drawn[c.prompt_index].answer) for t, c in zip(texts, completions, strict=True)])
+        adv = group_advantages(rewards, opts.group_size).to(session.device)
+        samples = []
+        for c in completions:
+            ids, f = prompts[c.prompt_index]
+            samples.append([Sample(drawn[c.prompt_index].id, ids + c.token_ids, [-100] * len(ids) + c.token_ids, f)])
+        batch = collate_packs(samples, session.pad_id, packed=False).to(session.device)
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            old_lp, mask = token_logprobs(model, batch, opts.temperature)
+            ref_lp, _ = token_logprobs(model, batch, opts.temperature, params={**reference, **{
+                f"projector.{n}": t for n, t in anchor.items()}})
+        engine_lp = torch.zeros_like(old_lp)
+        for i, c in enumerate(completions):
+            pos = mask[i].nonzero().squeeze(-1)
+            engine_lp[i, pos] = torch.tensor(c.logprobs, device=session.device, dtype=engine_lp.dtype)
+        parity = float((engine_lp - old_lp)[mask].abs().max()) if mask.any() else 0.0
+        timings["logprobs"] += time.perf_counter() - t1
+        drift = projector_drift(model.projector, anchor) if opts.train_projector else None
+        t2 = time.perf_counter()
+        model.train()
+        for _ in range(opts.updates_per_batch):
+            lp, _ = token_logprobs(model, batch, opts.temperature)
+            ratio = torch.exp(lp - old_lp)
+            a = adv.unsqueeze(1)
+            surrogate = torch.min(ratio * a, torch.clamp(ratio, 1 - opts.clip_eps, 1 + opts.clip_eps) * a)
+            kl = torch.exp(ref_lp - lp) - (ref_lp - lp) - 1
+            per_token = -(surrogate - opts.kl_beta * kl)
+            per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+            loss = per_seq.mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            audit_gradients(model, allowed)
+            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+            optimizer.step()
+        timings["train"] += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        engine.refit(None)
+        timings["refit"] += time.perf_counter() - t3
+        step += 1
+        mean_kl = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+        record = {"step": step, "reward": float(rewards.mean()), "loss": float(loss.detach()), "kl": mean_kl,
+                  "parity_max_abs_logprob": parity,
+                  "completion_tokens": int(mask.sum())}
+        if drift is not None:
+            record["projector_drift"] = drift
+        metrics.write(record)
+        bar.set_postfix(reward=f"{record['reward']:.2f}", kl=f"{mean_kl:.3f}")
+        bar.update(1)
+        if step % opts.save_every == 0 or step == total:
+            save_step(ckpt_root, step, lambda d: session.save_trainable(model, d, stage="grpo"), optimizer,
+                      {"data_rng": _rng_json(rng), "donor": str(donor), "recipe_digest": recipe.digest})
+    bar.close()
+    history = metrics.read()
+    k = max(1, len(history) // 4)
+    summary = {
+        "stage": "grpo",
+        "steps": step,
+        "engine": opts.engine,
+        "donor": str(donor),
+        "reward_start": sum(r["reward"] for r in history[:k]) / k if history else None,
+        "reward_end": sum(r["reward"] for r in history[-k:]) / k if history else None,
+        "trainable_parameters": trainable_by_group(model),
+        "seconds_by_part": {k2: round(v, 2) for k2, v in timings.items()},
+        "parity_max_abs_logprob": max((r["parity_max_abs_logprob"] for r in history), default=None),
+        "peak_memory_bytes": peak_memory_bytes(),
+        "checkpoint": str(latest_step_dir(ckpt_root)),
+        "metrics": str(metrics.path),
+        "seconds": round(time.perf_counter() - t_start, 2),
+    }
+    if start_accuracy is not None:
+        summary["eval_accuracy_start"] = start_accuracy
+    if opts.eval_partition:
+        summary["eval_accuracy"] = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
+    write_text_atomic(stage_dir / "summary.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def _rng_json(rng: random.Random) -> list[Any]:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
