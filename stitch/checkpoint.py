@@ -24,15 +24,24 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def random_to_json(rng: random.Random) -> list[Any]:
+    """A ``random.Random`` state as JSON (for data-order state in checkpoints)."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def random_from_json(rng: random.Random, state: list[Any]) -> None:
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))
+
+
 def rng_state() -> dict[str, Any]:
-    version, internal, gauss = random.getstate()
-    return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    return {"torch": torch.get_rng_state(), "python": random_to_json(random)}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random_from_json(random, state["python"])
 
 
 def latest_step_dir(root: Path) -> Path | None:

@@ -18,7 +18,14 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from stitch.checkpoint import latest_step_dir, load_step_state, save_step, write_text_atomic
+from stitch.checkpoint import (
+    latest_step_dir,
+    load_step_state,
+    random_from_json,
+    random_to_json,
+    save_step,
+    write_text_atomic,
+)
 from stitch.evaluation import evaluate_accuracy, parse_answer
 from stitch.packing import Sample, collate_packs
 from stitch.provenance import check_warm_start
@@ -157,8 +164,7 @@ def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps
     if resume_dir is not None:
         session.load_trainable(model, resume_dir)
         state = load_step_state(resume_dir, optimizer)
-        version, internal, gauss = state["data_rng"]
-        rng.setstate((version, tuple(internal), gauss))
+        random_from_json(rng, state["data_rng"])
         step = state["step"]
         metrics.truncate_after(step)
     else:
@@ -236,7 +242,7 @@ def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps
         bar.update(1)
         if step % opts.save_every == 0 or step == total:
             save_step(ckpt_root, step, lambda d: session.save_trainable(model, d, stage="grpo"), optimizer,
-                      {"data_rng": _rng_json(rng), "donor": str(donor), "recipe_digest": recipe.digest})
+                      {"data_rng": random_to_json(rng), "donor": str(donor), "recipe_digest": recipe.digest})
     bar.close()
     history = metrics.read()
     k = max(1, len(history) // 4)
@@ -262,7 +268,3 @@ def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps
     write_text_atomic(stage_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
-
-def _rng_json(rng: random.Random) -> list[Any]:
-    version, internal, gauss = rng.getstate()
-    return [version, list(internal), gauss]

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from stitch.checkpoint import random_from_json, random_to_json
+
 
 @dataclass
 class Sample:
@@ -66,11 +68,10 @@ class PackedStream:
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        version, internal, gauss = self.rng.getstate()
         return {
             "offset": self.offset,
             "epoch": self.epoch,
-            "rng": [version, list(internal), gauss],
+            "rng": random_to_json(self.rng),
             "buffer": list(self.buffer),
             "pending": self.pending,
         }
@@ -78,8 +79,7 @@ class PackedStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.offset = state["offset"]
         self.epoch = state["epoch"]
-        version, internal, gauss = state["rng"]
-        self.rng.setstate((version, tuple(internal), gauss))
+        random_from_json(self.rng, state["rng"])
         self.buffer = list(state["buffer"])
         self.pending = state["pending"]
 

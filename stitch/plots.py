@@ -1,0 +1,73 @@
+"""PNG plots of a run's curves: loss per stage, GRPO reward, and accuracy after each stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for stage in ("alignment", "sft", "grpo", "dpo"):
+        rows = _read(out_dir / stage / "metrics.jsonl")
+        if rows:
+            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=stage)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    ax.legend()
+    fig.tight_layout()
+    written.append(out_dir / "loss.png")
+    fig.savefig(written[-1], dpi=100)
+    plt.close(fig)
+
+    grpo = _read(out_dir / "grpo" / "metrics.jsonl")
+    if grpo:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = [r["step"] for r in grpo]
+        rewards = [r["reward"] for r in grpo]
+        ax.plot(steps, rewards, alpha=0.4, label="mean reward")
+        window = max(1, len(rewards) // 10)
+        smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
+                  for i in range(len(rewards))]
+        ax.plot(steps, smooth, label=f"moving average ({window})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title("GRPO reward")
+        ax.legend()
+        fig.tight_layout()
+        written.append(out_dir / "reward.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+
+    stages = [(s, v["eval_accuracy"]) for s, v in summary.get("stages", {}).items() if "eval_accuracy" in v]
+    if stages:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar([s for s, _ in stages], [a for _, a in stages])
+        chance = summary.get("chance_accuracy")
+        if chance:
+            ax.axhline(chance, color="gray", linestyle="--", label=f"chance {chance:.0%}")
+            ax.legend()
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("held-out accuracy")
+        ax.set_title("accuracy after each stage")
+        fig.tight_layout()
+        written.append(out_dir / "accuracy.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+    return written
