@@ -1,1 +1,23 @@
-"""placeholder"""
+"""stitch-nemotron: Nemotron-3-Nano-4B (hybrid Mamba) and Nemotron-3.5-Lightning-30B-A3B (hybrid MoE), tiny presets.
+
+Models load as stitch's ``NemotronHForCausalLM`` (stock class plus ``generate(inputs_embeds=...)``).
+"""
+
+from __future__ import annotations
+
+from stitch.hookspecs import hookimpl
+from stitch_nemotron.models import MODELS
+from stitch_nemotron.sentinels import SENTINELS
+
+__all__ = ["register_models", "register_token_sentinels"]
+
+
+@hookimpl
+def register_models(register):
+    for spec in MODELS:
+        register(spec)
+
+
+@hookimpl
+def register_token_sentinels(register):
+    register(SENTINELS)

@@ -1,0 +1,126 @@
+"""Nemotron-H base-LM bindings: sources, hidden widths, LoRA target sets, the embeddings-capable loader."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stitch.specs import ModelSource, ModelSpec
+from stitch_nemotron.sentinels import SENTINELS
+from stitch_nemotron.tiny import TINY_HIDDEN, build_lightning_tiny, build_nano_tiny
+
+# Families that get LoRA; each survives the GRPO handoff (merge into the base weight, refit as a plain Linear).
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MAMBA_INPUT = ("in_proj",)
+SHARED_EXPERT = ("shared_experts.up_proj", "shared_experts.down_proj")
+
+COMMON_EXCLUSIONS: dict[str, str] = {
+    "mixer.out_proj (Mamba-2)": "peft refuses it for model_type nemotron_h (ValueError): the fused Mamba-2 kernel "
+    "(mamba_split_conv1d_scan_combined) reads out_proj.weight directly, so a LoRA there would be bypassed in "
+    "training. The same refusal makes target_modules='all-linear' fail on Nemotron-H",
+    "mixer.conv1d (Mamba-2)": "refused by peft for the same reason (read directly by the fused kernels); it is a "
+    "depthwise convolution with no low-rank structure anyway",
+    "embeddings, lm_head": "vocabulary-sized; soft tokens enter through the projector, and an adapter here would "
+    "change every text token the rollout engine embeds",
+}
+NANO_EXCLUSIONS: dict[str, str] = {
+    **COMMON_EXCLUSIONS,
+    "mlp blocks (mixer.up_proj, mixer.down_proj)": "left out by choice, matching the reference recipe's qualified "
+    "set (attention + Mamba input projections); they survive merge/refit like any Linear, so append "
+    "'up_proj', 'down_proj' to lora_target_modules to opt in",
+}
+LIGHTNING_EXCLUSIONS: dict[str, str] = {
+    **COMMON_EXCLUSIONS,
+    "mixer.experts (routed: up_proj, down_proj)": "fused 3-D parameters [experts, out, in], reachable only via "
+    "peft target_parameters; a merge rewrites every routed expert's full tensor (most of the model's weights), "
+    "so each GRPO refit would ship nearly the whole model instead of a few layers. The shared expert carries "
+    "the adaptation instead",
+    "mixer.gate (router, e_score_correction_bias)": "routing logits: a small change flips top-k choices, breaking "
+    "train/rollout routing parity and expert load mid-RL; it is a bare Parameter, not an nn.Linear",
+}
+
+PACKING_NOTE = (
+    "Unpacked: NemotronH derives no sample boundaries from position_ids and has no seq_idx / cu_seqlens argument "
+    "(one smuggled through **kwargs reaches only the mamba_ssm / causal-conv1d kernels; the PyTorch scan and conv "
+    "drop it), so the Mamba-2 SSM state and its conv window run from one packed sample into the next. Only the "
+    "attention blocks would honor reset position_ids (with use_cache=False and no attention_mask)."
+)
+
+
+def check_hidden_size(spec: ModelSpec, model: Any, source: ModelSource) -> Any:
+    """Refuse a checkpoint whose hidden width is not the one the spec (and every projector for it) declares."""
+    if model.config.hidden_size != spec.hidden_size:
+        raise ValueError(
+            f"model {spec.name!r} declares hidden_size={spec.hidden_size} but {source.describe()} has "
+            f"hidden_size={model.config.hidden_size}; fix the ModelSpec (projectors are built to the declared width)"
+        )
+    return model
+
+
+def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
+    """stitch's NemotronHForCausalLM (``generate(inputs_embeds=...)`` works) from safetensors via from_pretrained."""
+    from stitch_nemotron.generation import NemotronHForCausalLM
+
+    model = NemotronHForCausalLM.from_pretrained(
+        **source.pretrained_kwargs(), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+    )
+    return check_hidden_size(spec, model, source)
+
+
+def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, description: str) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        architecture="NemotronHForCausalLM",
+        sentinels=SENTINELS.name,
+        source=source,
+        hidden_size=hidden_size,
+        lora_target_modules=ATTENTION + MAMBA_INPUT + (SHARED_EXPERT if moe else ()),
+        lora_exclusions=LIGHTNING_EXCLUSIONS if moe else NANO_EXCLUSIONS,
+        load=load_nemotron_h,
+        supports_packing=False,
+        packing_note=PACKING_NOTE,
+        description=description,
+    )
+
+
+MODELS: tuple[ModelSpec, ...] = (
+    nemotron_spec(
+        "nemotron-3-nano-4b",
+        ModelSource(
+            repo_id="nvidia/NVIDIA-Nemotron-3-Nano-4B-BF16",
+            revision="dfaf35de3e30f1867dd8dbc38a7fc9fb52d3914f",
+        ),
+        # 3136 per public architecture listings (42 blocks: 21 Mamba-2, 4 attention, 17 MLP); not read from the
+        # pinned config.json here. load_nemotron_h refuses a checkpoint whose width differs.
+        3136,
+        moe=False,
+        description="Nemotron-3-Nano-4B: hybrid Mamba-2 / attention / MLP, text only.",
+    ),
+    nemotron_spec(
+        "nemotron-3.5-lightning-30b-a3b",
+        ModelSource(
+            repo_id="nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16",
+            revision="b3caaabed0263651a17dc1f2d4ce97e794f76c44",
+        ),
+        # Unverified: assumed equal to Nemotron-3-Nano-30B-A3B's 2688 (same 30B-A3B hybrid-MoE family).
+        # load_nemotron_h refuses the checkpoint if its config says otherwise.
+        2688,
+        moe=True,
+        description="Nemotron-3.5-Lightning-30B-A3B: hybrid Mamba-2 / attention / MoE (routed + shared expert).",
+    ),
+    nemotron_spec(
+        "nemotron-nano-tiny",
+        ModelSource(builder=build_nano_tiny, builder_key="nemotron-nano-tiny-v1"),
+        TINY_HIDDEN,
+        moe=False,
+        description="Tiny random-init Nemotron-H (Mamba-2, MLP, attention, MLP) for tests.",
+    ),
+    nemotron_spec(
+        "nemotron-lightning-tiny",
+        ModelSource(builder=build_lightning_tiny, builder_key="nemotron-lightning-tiny-v1"),
+        TINY_HIDDEN,
+        moe=True,
+        description="Tiny random-init Nemotron-H MoE (Mamba-2, MoE, attention, MoE; 4 experts + shared) for tests.",
+    ),
+)

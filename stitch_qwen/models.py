@@ -1,0 +1,179 @@
+"""Qwen3.5 / Qwen3.6 base-LM bindings: sources, hidden widths, LoRA target sets, the VLM-aware loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stitch.specs import ModelSource, ModelSpec
+from stitch_qwen.sentinels import SENTINELS
+from stitch_qwen.tiny import TINY_HIDDEN, build_qwen35_moe_tiny, build_qwen35_tiny
+from stitch_qwen.vlm_layout import VLM_TO_TEXT, SafetensorsStateDict, is_vlm_layout
+
+# Families that get LoRA; each survives the GRPO handoff (merge into the base weight, refit as a plain Linear).
+FULL_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")  # Gated DeltaNet
+SHARED_EXPERT = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+
+COMMON_EXCLUSIONS: dict[str, str] = {
+    "linear_attn.conv1d": "depthwise causal convolution (kernel 4, one filter per channel): no low-rank structure "
+    "to adapt, and the fused causal-conv kernels read its weight directly",
+    "embed_tokens, lm_head": "vocabulary-sized and tied on the small models; soft tokens enter through the "
+    "projector, and an adapter here would change every text token the rollout engine embeds",
+}
+DENSE_EXCLUSIONS: dict[str, str] = {
+    **COMMON_EXCLUSIONS,
+    "mlp.gate_proj, mlp.up_proj, mlp.down_proj": "dense MLP left out by choice, matching the reference recipe's "
+    "qualified set (attention + token-mixer projections); it would survive merge/refit like any Linear, so "
+    "append the names to lora_target_modules to opt in (adapter size roughly doubles)",
+}
+MOE_EXCLUSIONS: dict[str, str] = {
+    **COMMON_EXCLUSIONS,
+    "mlp.experts (routed: gate_up_proj, down_proj)": "fused 3-D parameters [experts, out, in], reachable only via "
+    "peft target_parameters; a merge rewrites every routed expert's full tensor (most of the model's weights), "
+    "so each GRPO refit would ship nearly the whole model instead of a few layers. The shared expert carries "
+    "the adaptation instead",
+    "mlp.gate (router)": "routing logits: a small change flips top-k choices, breaking train/rollout routing "
+    "parity and expert load mid-RL; it is a bare Parameter (TopKRouter), not an nn.Linear",
+    "mlp.shared_expert_gate": "a 1-wide sigmoid gate (hidden -> 1) mixing the shared expert in; rank-r LoRA onto "
+    "one output is degenerate and, like the router, it is a gate",
+}
+
+PACKING_NOTE = (
+    "Unpacked: Qwen3.5's linear-attention layers (Gated DeltaNet) carry a recurrent state and a 4-tap causal-conv "
+    "window along the row, and on transformers' PyTorch path (no flash-linear-attention / causal-conv1d kernels) "
+    "they ignore position_ids resets and cu_seqlens, so one packed sample's state leaks into the next. The "
+    "full-attention layers alone would be fine (with use_cache=False and no attention_mask, transformers derives a "
+    "block-causal mask from reset position_ids). "
+    "Packing needs the fla varlen kernels fed cu_seqlens, which this stack does not qualify."
+)
+HOW_TO_LOAD_VLM = (
+    "Text layout loads with from_pretrained; the native VLM layout is mapped through 'qwen3.5-vlm-to-text' "
+    "(vision tower dropped explicitly, never read)."
+)
+
+
+def local_snapshot(source: ModelSource) -> Path:
+    """A directory holding the snapshot: the local path / built preset, or the pinned hub revision's json+safetensors."""
+    kwargs = source.pretrained_kwargs()
+    path = Path(kwargs["pretrained_model_name_or_path"])
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(
+        snapshot_download(
+            repo_id=kwargs["pretrained_model_name_or_path"],
+            revision=kwargs.get("revision"),
+            allow_patterns=["*.json", "*.safetensors"],
+        )
+    )
+
+
+def check_hidden_size(spec: ModelSpec, model: Any, source: ModelSource) -> Any:
+    """Refuse a checkpoint whose hidden width is not the one the spec (and every projector for it) declares."""
+    actual = model.config.get_text_config().hidden_size
+    if actual != spec.hidden_size:
+        raise ValueError(
+            f"model {spec.name!r} declares hidden_size={spec.hidden_size} but {source.describe()} has "
+            f"hidden_size={actual}; fix the ModelSpec (projectors are built to the declared width)"
+        )
+    return model
+
+
+def load_qwen(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
+    """The text causal LM of ``spec`` from a text-layout or native-VLM-layout snapshot (safetensors only)."""
+    import transformers
+
+    cls = getattr(transformers, spec.architecture)
+    snapshot = local_snapshot(source)
+    if not is_vlm_layout(snapshot):
+        model = cls.from_pretrained(
+            snapshot, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+        return check_hidden_size(spec, model, source)
+
+    vlm_config = transformers.AutoConfig.from_pretrained(snapshot, trust_remote_code=trust_remote_code)
+    text_config = vlm_config.get_text_config()
+    state_dict = VLM_TO_TEXT.convert(SafetensorsStateDict(snapshot))
+    # A VLM checkpoint without its own lm_head shares the embedding matrix (the small Qwen3.5 models do).
+    text_config.tie_word_embeddings = "lm_head.weight" not in state_dict and bool(
+        getattr(vlm_config, "tie_word_embeddings", False)
+        or getattr(text_config, "tie_word_embeddings", False)
+    )
+    model, info = cls.from_pretrained(
+        None, config=text_config, state_dict=state_dict, dtype=dtype, output_loading_info=True
+    )
+    problems = {k: sorted(v) for k, v in info.items() if v}
+    if problems:
+        raise ValueError(
+            f"loading {spec.architecture} from the VLM snapshot {source.describe()} through "
+            f"{VLM_TO_TEXT.name!r} left problems: {problems}"
+        )
+    return check_hidden_size(spec, model.eval(), source)
+
+
+def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, description: str) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        architecture="Qwen3_5ForCausalLM",
+        sentinels=SENTINELS.name,
+        source=source,
+        hidden_size=hidden_size,
+        lora_target_modules=FULL_ATTENTION + LINEAR_ATTENTION,
+        lora_exclusions=DENSE_EXCLUSIONS,
+        load=load_qwen,
+        state_dict_adapter=VLM_TO_TEXT.name,
+        supports_packing=False,
+        packing_note=PACKING_NOTE,
+        description=f"{description} {HOW_TO_LOAD_VLM}",
+    )
+
+
+def qwen_moe_spec(name: str, source: ModelSource, hidden_size: int, description: str) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        architecture="Qwen3_5MoeForCausalLM",
+        sentinels=SENTINELS.name,
+        source=source,
+        hidden_size=hidden_size,
+        lora_target_modules=FULL_ATTENTION + LINEAR_ATTENTION + SHARED_EXPERT,
+        lora_exclusions=MOE_EXCLUSIONS,
+        load=load_qwen,
+        state_dict_adapter=VLM_TO_TEXT.name,
+        supports_packing=False,
+        packing_note=PACKING_NOTE,
+        description=f"{description} {HOW_TO_LOAD_VLM}",
+    )
+
+
+MODELS: tuple[ModelSpec, ...] = (
+    qwen_dense_spec(
+        "qwen3.5-4b",
+        ModelSource(repo_id="Qwen/Qwen3.5-4B", revision="851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a"),
+        2560,
+        "Qwen3.5-4B, dense hybrid (Gated DeltaNet + full attention); shipped as a native VLM whose own vision "
+        "tower stays frozen and unused; images arrive as 'clip_image' soft tokens.",
+    ),
+    qwen_moe_spec(
+        "qwen3.6-35b-a3b",
+        ModelSource(repo_id="Qwen/Qwen3.6-35B-A3B", revision="995ad96eacd98c81ed38be0c5b274b04031597b0"),
+        2048,
+        "Qwen3.6-35B-A3B, hybrid MoE (routed experts + one shared expert per layer); native VLM checkpoint, "
+        "vision tower frozen and unused; images arrive as 'clip_image' soft tokens.",
+    ),
+    qwen_dense_spec(
+        "qwen3.5-tiny",
+        ModelSource(builder=build_qwen35_tiny, builder_key="qwen3.5-tiny-v1"),
+        TINY_HIDDEN,
+        "Tiny random-init Qwen3.5 (1 linear-attention + 1 full-attention layer) for tests.",
+    ),
+    qwen_moe_spec(
+        "qwen3.5-moe-tiny",
+        ModelSource(builder=build_qwen35_moe_tiny, builder_key="qwen3.5-moe-tiny-v1"),
+        TINY_HIDDEN,
+        "Tiny random-init Qwen3.5-MoE (linear + full attention, 4 routed experts + shared expert) for tests.",
+    ),
+)

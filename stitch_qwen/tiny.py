@@ -1,0 +1,79 @@
+"""Tiny Qwen3.5 snapshots (dense and MoE) built locally: trained tokenizer, seeded random weights, safetensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from stitch_qwen.sentinels import SENTINELS
+
+TINY_HIDDEN = 128
+SEED = 0
+EOS, PAD = "<|im_end|>", "<|endoftext|>"
+SPECIAL_TOKENS = (PAD, "<|im_start|>", EOS, *SENTINELS.tokens)
+
+
+def text_config_kwargs(tokenizer_dir: Path) -> dict[str, Any]:
+    """Shape shared by both tiny presets: one Gated DeltaNet layer, one full-attention layer, head dim 64."""
+    from transformers import AutoTokenizer
+
+    from stitch.tiny import padded_vocab_size
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return {
+        "vocab_size": padded_vocab_size(tokenizer_dir),
+        "hidden_size": TINY_HIDDEN,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,  # vLLM rejects head dim 32
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+    }
+
+
+def write_snapshot(out_dir: Path, config_cls: type, model_cls: type, **extra: Any) -> None:
+    import torch
+    from transformers import GenerationConfig
+
+    from stitch.tiny import chatml_template, train_tokenizer
+
+    train_tokenizer(out_dir, SPECIAL_TOKENS, eos_token=EOS, pad_token=PAD, chat_template=chatml_template())
+    config = config_cls(**text_config_kwargs(out_dir), **extra)
+    torch.manual_seed(SEED)
+    model = model_cls(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False
+    )
+    model.save_pretrained(out_dir)
+
+
+def build_qwen35_tiny(out_dir: Path) -> None:
+    """Dense hybrid: Qwen3_5ForCausalLM with linear and full attention."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    write_snapshot(out_dir, Qwen3_5TextConfig, Qwen3_5ForCausalLM)
+
+
+def build_qwen35_moe_tiny(out_dir: Path) -> None:
+    """MoE hybrid: Qwen3_5MoeForCausalLM, 4 routed experts (top-2) plus the shared expert in every layer."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    write_snapshot(
+        out_dir,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5MoeForCausalLM,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )
