@@ -52,7 +52,7 @@ class ClipImageEncoder:
         self.device = device
         self.dtype = dtype
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: its tensors could not flow into a trainable projector
     def encode(self, items: list[Any]) -> torch.Tensor:
         pixels = self.processor(images=items, return_tensors="pt")["pixel_values"]
         out = self.model(pixel_values=pixels.to(self.device, self.dtype), output_hidden_states=True)

@@ -9,7 +9,7 @@ import torch
 
 from stitch.specs import ModelSource, ModelSpec
 from stitch_qwen.sentinels import SENTINELS
-from stitch_qwen.tiny import TINY_HIDDEN, build_qwen35_moe_tiny, build_qwen35_tiny
+from stitch_qwen.tiny import TINY_HIDDEN, build_qwen35_demo, build_qwen35_moe_tiny, build_qwen35_tiny
 from stitch_qwen.vlm_layout import VLM_TO_TEXT, SafetensorsStateDict, is_vlm_layout
 
 # Families that get LoRA; each survives the GRPO handoff (merge into the base weight, refit as a plain Linear).
@@ -149,6 +149,34 @@ def qwen_moe_spec(name: str, source: ModelSource, hidden_size: int, description:
     )
 
 
+DEMO_PACKING_NOTE = (
+    "full-attention layers only: packed rows get a block-causal mask from position-id resets "
+    "(with use_cache=False), so no token attends across a sample boundary"
+)
+
+
+def qwen_demo_spec() -> ModelSpec:
+    """The CPU demo base: Qwen3.5's class and tokenizer family, attention-only so it can pack, pre-trained."""
+    return ModelSpec(
+        name="qwen3.5-demo",
+        architecture="Qwen3_5ForCausalLM",
+        sentinels=SENTINELS.name,
+        source=ModelSource(builder=build_qwen35_demo, builder_key="qwen3.5-demo-v1"),
+        hidden_size=TINY_HIDDEN,
+        lora_target_modules=FULL_ATTENTION,
+        lora_exclusions={
+            **DENSE_EXCLUSIONS,
+            "linear attention": "this preset has no Gated DeltaNet layers (attention-only, so it packs)",
+        },
+        load=load_qwen,
+        state_dict_adapter=VLM_TO_TEXT.name,
+        supports_packing=True,
+        packing_note=DEMO_PACKING_NOTE,
+        description="Tiny Qwen3.5-class LM (2 full-attention layers), pre-trained on task-style text: the "
+        "CPU demo's base. Built locally in about 20 s on first use.",
+    )
+
+
 MODELS: tuple[ModelSpec, ...] = (
     qwen_dense_spec(
         "qwen3.5-4b",
@@ -176,4 +204,5 @@ MODELS: tuple[ModelSpec, ...] = (
         TINY_HIDDEN,
         "Tiny random-init Qwen3.5-MoE (linear + full attention, 4 routed experts + shared expert) for tests.",
     ),
+    qwen_demo_spec(),
 )

@@ -42,13 +42,14 @@ def text_config_kwargs(tokenizer_dir: Path) -> dict[str, Any]:
 
 
 def write_snapshot(out_dir: Path, config_cls: type, model_cls: type, **extra: Any) -> None:
+    """Tokenizer + config (``extra`` overrides the shared shape) + seeded weights, saved to ``out_dir``."""
     import torch
     from transformers import GenerationConfig
 
     from stitch.tiny import chatml_template, train_tokenizer
 
     train_tokenizer(out_dir, SPECIAL_TOKENS, eos_token=EOS, pad_token=PAD, chat_template=chatml_template())
-    config = config_cls(**text_config_kwargs(out_dir), **extra)
+    config = config_cls(**{**text_config_kwargs(out_dir), **extra})
     torch.manual_seed(SEED)
     model = model_cls(config)
     model.generation_config = GenerationConfig(
@@ -77,3 +78,14 @@ def build_qwen35_moe_tiny(out_dir: Path) -> None:
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
     )
+
+
+def build_qwen35_demo(out_dir: Path) -> None:
+    """The demo base: Qwen3_5ForCausalLM with full-attention layers only (packable on every backend),
+    pre-trained on task-style chat text so LoRA + projector can learn in minutes on a CPU."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from stitch.pretrain import pretrain_in_place
+
+    write_snapshot(out_dir, Qwen3_5TextConfig, Qwen3_5ForCausalLM, layer_types=["full_attention"] * 2)
+    pretrain_in_place(out_dir, SENTINELS.tokens, steps=300, batch_size=32)
