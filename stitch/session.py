@@ -152,9 +152,14 @@ class StitchSession:
         save_projector_artifact(step_dir / "projector", model.projector, self.projector_provenance(hidden, stage))
         if hasattr(model.lm, "peft_config"):
             model.lm.save_pretrained(str(step_dir / "adapter"), safe_serialization=True)
-            cfg = json.loads((step_dir / "adapter" / "adapter_config.json").read_text())
-            cfg["stitch_resolved_target_modules"] = sorted(resolved_lora_targets(model.lm))
-            (step_dir / "adapter" / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+            # record the target set peft actually resolved (not a pattern), so a warm start can compare it
+            cfg_path = step_dir / "adapter" / "adapter_config.json"
+            cfg = json.loads(cfg_path.read_text())
+            resolved = resolved_lora_targets(model.lm)
+            configured = set(cfg.get("target_modules") or [])
+            if configured and resolved != {t.split(".")[-1] for t in configured} and resolved != configured:
+                raise RuntimeError(f"LoRA wrapped {sorted(resolved)}, but the model plugin asked for {sorted(configured)}")
+            cfg_path.write_text(json.dumps(cfg, indent=2))
 
     def load_trainable(self, model: Any, step_dir: Path) -> None:
         """Restore projector and adapter tensors saved by ``save_trainable`` (for an exact resume)."""

@@ -1,0 +1,219 @@
+"""The prepared-data layout: content-addressed safetensors feature shards plus ``manifest.jsonl``.
+
+``DIR/feature-cache/<key>.safetensors`` holds one tensor ``features [items, tokens, width]``; each manifest
+line is one row: id, partition, chat messages, feature keys (shard + index), shape, dtype and provenance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CACHE_DIRNAME = "feature-cache"
+MANIFEST_NAME = "manifest.jsonl"
+SHARD_TENSOR = "features"
+SHARD_FORMAT = "stitch.feature-shard/1"
+
+
+class FeatureCacheError(ValueError):
+    """The manifest or the cache is inconsistent; the message names the row, the shard or the file."""
+
+
+class UnknownRowError(KeyError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class FeatureKey:
+    shard: str  # a file name inside the feature cache, never a path
+    index: int  # the item's position along the shard's first axis
+
+    def as_json(self) -> dict[str, Any]:
+        return {"shard": self.shard, "index": self.index}
+
+
+@dataclass(frozen=True)
+class ManifestRow:
+    """One prepared row; ``messages`` end with the assistant turn that training learns."""
+
+    id: str
+    partition: str
+    messages: tuple[Mapping[str, str], ...]
+    features: tuple[FeatureKey, ...]
+    tokens: int  # soft tokens per media item
+    width: int  # feature width
+    dtype: str
+    provenance: Mapping[str, Any]
+
+    @property
+    def num_items(self) -> int:
+        return len(self.features)
+
+    @property
+    def question(self) -> str:
+        """The last user turn before the final answer."""
+        users = [m["content"] for m in self.messages[:-1] if m["role"] == "user"]
+        return users[-1] if users else ""
+
+    @property
+    def answer(self) -> str:
+        return self.messages[-1]["content"]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "partition": self.partition,
+            "messages": [dict(m) for m in self.messages],
+            "features": [k.as_json() for k in self.features],
+            "tokens": self.tokens,
+            "width": self.width,
+            "dtype": self.dtype,
+            "provenance": dict(self.provenance),
+        }
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any], where: str = "manifest") -> ManifestRow:
+        try:
+            row = cls(
+                id=str(record["id"]),
+                partition=str(record["partition"]),
+                messages=tuple({"role": m["role"], "content": m["content"]} for m in record["messages"]),
+                features=tuple(FeatureKey(str(k["shard"]), int(k["index"])) for k in record["features"]),
+                tokens=int(record["tokens"]),
+                width=int(record["width"]),
+                dtype=str(record["dtype"]),
+                provenance=dict(record.get("provenance", {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            row_id = record.get("id", "?") if isinstance(record, Mapping) else "?"
+            raise FeatureCacheError(f"{where}: row {row_id!r} is malformed ({type(exc).__name__}: {exc})") from exc
+        for key in row.features:
+            check_shard_name(key.shard, row.id, where)
+        return row
+
+
+def check_shard_name(name: str, row_id: str = "?", where: str = "manifest") -> str:
+    """Refuse a feature key that is not a plain file name inside the cache (``../x``, ``/abs``, ``a/b``)."""
+    if (
+        not name
+        or name in {".", ".."}
+        or "/" in name
+        or "\\" in name
+        or os.path.isabs(name)
+        or not name.endswith(".safetensors")
+    ):
+        raise FeatureCacheError(
+            f"{where}: row {row_id!r} has feature shard {name!r}, which is not a plain '<key>.safetensors' "
+            f"file name inside the feature cache; refusing a path that could escape the cache root"
+        )
+    return name
+
+
+def iter_manifest(path: Path, partition: str | None = None) -> Iterator[ManifestRow]:
+    """Rows of ``manifest.jsonl``, read lazily line by line, optionally only one partition."""
+    with open(path, encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise FeatureCacheError(f"{path}:{lineno}: not valid JSON ({exc})") from exc
+            row = ManifestRow.from_json(record, f"{path}:{lineno}")
+            if partition is None or row.partition == partition:
+                yield row
+
+
+class PreparedData:
+    """A prepared directory: the manifest (indexed by row id) and its feature cache."""
+
+    def __init__(self, root: Path | str, max_open_shards: int = 8) -> None:
+        self.root = Path(root)
+        self.manifest_path = self.root / MANIFEST_NAME
+        self.cache = FeatureCache(self.root / CACHE_DIRNAME, max_open_shards=max_open_shards)
+        if not self.manifest_path.is_file():
+            raise FeatureCacheError(
+                f"{self.manifest_path} does not exist; run `stitch prepare --recipe ... --out {self.root}`"
+            )
+        self._rows: dict[str, ManifestRow] | None = None
+
+    def rows(self, partition: str | None = None) -> Iterator[ManifestRow]:
+        return iter_manifest(self.manifest_path, partition)
+
+    def row(self, row_id: str) -> ManifestRow:
+        if self._rows is None:
+            self._rows = {r.id: r for r in self.rows()}
+        if row_id not in self._rows:
+            some = ", ".join(list(self._rows)[:3])
+            raise UnknownRowError(
+                f"row id {row_id!r} is not in {self.manifest_path} ({len(self._rows)} rows, e.g. {some})"
+            )
+        return self._rows[row_id]
+
+    def features(self, row: ManifestRow | str) -> torch.Tensor:
+        if isinstance(row, str):
+            row = self.row(row)
+        return self.cache.load(row)
+
+
+class FeatureCache:
+    """Reads feature items by key; keeps a few shards open (safetensors reads slices lazily)."""
+
+    def __init__(self, root: Path | str, max_open_shards: int = 8) -> None:
+        self.root = Path(root).resolve()
+        self.max_open_shards = max_open_shards
+        self._open: OrderedDict[str, Any] = OrderedDict()
+
+    def shard_path(self, name: str, row_id: str = "?") -> Path:
+        path = (self.root / check_shard_name(name, row_id)).resolve()
+        if path.parent != self.root:  # a symlinked name would land elsewhere
+            raise FeatureCacheError(f"row {row_id!r}: shard {name!r} resolves outside {self.root}; refusing")
+        return path
+
+    def _handle(self, name: str, row_id: str) -> Any:
+        from safetensors import safe_open
+
+        if name in self._open:
+            self._open.move_to_end(name)
+            return self._open[name]
+        path = self.shard_path(name, row_id)
+        if not path.is_file():
+            raise FeatureCacheError(f"row {row_id!r}: feature shard {path} is missing; re-run `stitch prepare`")
+        handle = safe_open(str(path), framework="pt")
+        self._open[name] = handle
+        while len(self._open) > self.max_open_shards:
+            self._open.popitem(last=False)
+        return handle
+
+    def load_keys(self, keys: Sequence[FeatureKey], row_id: str = "?") -> torch.Tensor:
+        """Items ``[len(keys), tokens, width]`` in key order."""
+        items = []
+        for key in keys:
+            sliced = self._handle(key.shard, row_id).get_slice(SHARD_TENSOR)
+            size = sliced.get_shape()[0]
+            if not 0 <= key.index < size:
+                raise FeatureCacheError(
+                    f"row {row_id!r}: index {key.index} is out of range for shard {key.shard} ({size} items)"
+                )
+            items.append(sliced[key.index : key.index + 1])
+        if not items:
+            raise FeatureCacheError(f"row {row_id!r} has no feature keys")
+        return torch.cat(items)
+
+    def load(self, row: ManifestRow) -> torch.Tensor:
+        """A row's features ``[items, tokens, width]``, checked against the shape the manifest declares."""
+        features = self.load_keys(row.features, row.id)
+        expected = (row.num_items, row.tokens, row.width)
+        if tuple(features.shape) != expected:
+            raise FeatureCacheError(
+                f"row {row.id!r}: cached features have shape {tuple(features.shape)}, manifest says {expected}"
+            )
+        return features

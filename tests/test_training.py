@@ -1,0 +1,151 @@
+"""Alignment and SFT: exact resume after SIGKILL, packing, the gradient audit, every tiny architecture."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stitch.packing import PackedStream, collate_packs
+from stitch.recipe import load_recipe
+from stitch.training import audit_gradients, train_stage
+from stitch_testing import copy_prepared, write_recipe
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory, stitch_cache):
+    """A small prepared run directory (the demo base, tiny CLIP) with a finished alignment stage."""
+    from stitch.prepare import prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    recipe = load_recipe(write_recipe(root / "small.yaml"))
+    prepare(recipe, root / "run" / "data", progress=False)
+    train_stage(recipe, "alignment", root / "run", progress=False)
+    return root
+
+
+def _losses(run: Path, stage: str) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / stage / "metrics.jsonl").read_text().splitlines()]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "stitch", *args]
+
+
+def test_sft_killed_midway_resumes_to_identical_losses_and_weights(prepared, tmp_path):
+    recipe_path = write_recipe(tmp_path / "r.yaml", stages__sft__steps=6, stages__sft__save_every=3)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for run in (straight, killed):
+        copy_prepared(prepared / "run", run)
+        (run / "alignment").mkdir(parents=True)
+        import shutil
+
+        shutil.copytree(prepared / "run" / "alignment" / "checkpoints", run / "alignment" / "checkpoints")
+    subprocess.run(_cli("train", "sft", "--recipe", str(recipe_path), "--out", str(straight)), check=True,
+                   capture_output=True)
+    proc = subprocess.Popen(_cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "sft" / "checkpoints" / "LATEST"
+    deadline = time.time() + 240
+    while not (latest.exists() and latest.read_text().strip() == "step_3"):
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "sft" / "checkpoints" / "step_6").exists(), "killed too late to test a resume"
+    subprocess.run(_cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed), "--resume"),
+                   check=True, capture_output=True)
+    assert _losses(killed, "sft") == _losses(straight, "sft")  # bitwise: same floats, same order
+    for part in ("adapter/adapter_model.safetensors", "projector/mm-projector.safetensors"):
+        a = load_file(str(straight / "sft" / "checkpoints" / "step_6" / part))
+        b = load_file(str(killed / "sft" / "checkpoints" / "step_6" / part))
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), part
+
+
+def test_resume_without_a_checkpoint_is_refused(prepared, tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
+    copy_prepared(prepared / "run", tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="LATEST"):
+        train_stage(recipe, "alignment", tmp_path / "run", resume=True, progress=False)
+
+
+def _stream(session, budget: int, pack: bool) -> PackedStream:
+    return PackedStream(session.manifest_path, session.make_sample, token_budget=budget, buffer_size=32, seed=0,
+                        pack=pack, rows=lambda row: row["partition"] == "train")
+
+
+def test_packs_fill_at_least_90_percent_of_the_token_budget(prepared, tmp_path):
+    from stitch.session import StitchSession
+
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
+    session = StitchSession.open(recipe, prepared / "run")
+    stream = _stream(session, 512, pack=True)
+    packs = [stream.next_pack() for _ in range(40)]
+    fill = sum(sum(len(s) for s in p) for p in packs) / (40 * 512)
+    assert fill >= 0.90, fill
+    batch = collate_packs(packs[:2], session.pad_id, packed=True, length=512)
+    # position ids restart at every sample boundary
+    starts = int((batch.position_ids == 0).sum())
+    assert starts >= sum(len(p) for p in packs[:2])
+    assert batch.features.shape[0] == sum(len(p) for p in packs[:2])
+
+
+def test_packed_batch_loss_equals_unpacked_loss_of_the_same_samples(prepared, tmp_path):
+    from stitch.session import StitchSession
+
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
+    session = StitchSession.open(recipe, prepared / "run")
+    model = session.build_model(stage="sft", lora={"r": 4, "alpha": 8})
+    torch.manual_seed(1)
+    with torch.no_grad():  # a nonzero adapter and projector, so the check covers them
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)
+    pack = _stream(session, 512, pack=True).next_pack()
+    assert len(pack) >= 3
+    packed = collate_packs([pack], session.pad_id, packed=True, length=512)
+    unpacked = collate_packs([[s] for s in pack], session.pad_id, packed=False)
+    with torch.no_grad():
+        lp, n_p = model.loss(packed)
+        lu, n_u = model.loss(unpacked)
+    assert n_p == n_u
+    assert torch.allclose(lp, lu, atol=1e-5, rtol=1e-5), (float(lp), float(lu))
+
+
+def test_gradient_audit_refuses_a_trainable_lm_weight(prepared, tmp_path):
+    from stitch.session import StitchSession
+
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
+    session = StitchSession.open(recipe, prepared / "run")
+    model = session.build_model(stage="alignment")
+    audit_gradients(model, ("projector",))
+    model.lm.get_input_embeddings().weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="embed_tokens"):
+        audit_gradients(model, ("projector",))
+
+
+@pytest.mark.parametrize("model", ["qwen3.5-tiny", "qwen3.5-moe-tiny", "nemotron-nano-tiny", "nemotron-lightning-tiny"])
+def test_alignment_and_sft_run_on_each_tiny_architecture(prepared, tmp_path, model):
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model=model))
+    copy_prepared(prepared / "run", tmp_path / "run")
+    align = train_stage(recipe, "alignment", tmp_path / "run", progress=False)
+    sft = train_stage(recipe, "sft", tmp_path / "run", progress=False)
+    assert align["trainable_parameters"]["adapter"] == 0 and align["trainable_parameters"]["other"] == 0
+    assert sft["trainable_parameters"]["adapter"] > 0 and sft["trainable_parameters"]["other"] == 0
+    assert not sft["packed"]  # hybrid layers would leak state across packed samples
+    step = Path(sft["checkpoint"])
+    config = json.loads((step / "adapter" / "adapter_config.json").read_text())
+    from stitch.plugins import get_host
+
+    assert sorted(config["target_modules"]) == sorted(get_host().get("models", model).lora_target_modules)
+    assert all(torch.isfinite(torch.tensor(_losses(tmp_path / "run", "sft"))))
