@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from stitch.hookspecs import hookimpl
@@ -31,3 +32,8 @@ def register_rollout_engines(register):
     register(RolloutEngineSpec(
         "embedded", EmbeddedEngine, "transformers generate(inputs_embeds=...) on the live policy (all architectures)"
     ))
+    if importlib.util.find_spec("vllm") is not None:  # vLLM itself is imported only when the engine is built
+        from stitch.vllm_engine import vllm_engine_factory
+
+        register(RolloutEngineSpec("vllm", vllm_engine_factory, "vLLM in-process: prompt embeddings, merged "
+                                   "weights refit in place (enable_prompt_embeds)"))

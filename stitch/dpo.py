@@ -29,6 +29,7 @@ from stitch.grpo import _logits_with
 from stitch.packing import Sample, collate_packs
 from stitch.provenance import check_warm_start
 from stitch.recipe import Recipe, RecipeError
+from stitch.scatter import PlaceholderCountError
 from stitch.tiny import answer_text
 from stitch.training import MetricsLog, audit_gradients, peak_memory_bytes, trainable_by_group
 
@@ -44,6 +45,7 @@ class DPOOptions:
     eval_rows: int = 64
     save_every: int = 10
     seed: int = 0
+    probe_pairs: int = 32  # fixed pairs scored before and after training
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> DPOOptions:
@@ -70,8 +72,15 @@ def branch_sample(session: Any, row: Any, answer: str, features: torch.Tensor) -
     from stitch.collator import tokenize_example
 
     messages = list(row.messages[:-1]) + [{"role": "assistant", "content": answer}]
-    ids, labels = tokenize_example(session.tokenizer, messages, session.sentinel_ids,
-                                   session.encoder_spec.tokens_per_item, features.shape[0])
+    tokens = session.encoder_spec.tokens_per_item
+    ids, labels = tokenize_example(session.tokenizer, messages, session.sentinel_ids, tokens,
+                                   row.num_items, row_id=row.id)
+    placeholders = ids.count(session.sentinel_ids.placeholder)
+    if placeholders != features.shape[0] * tokens:
+        raise PlaceholderCountError(
+            f"row {row.id!r}: DPO branch {answer!r} has {placeholders} placeholders but its features carry "
+            f"{features.shape[0]} items x {tokens} tokens = {features.shape[0] * tokens}"
+        )
     return Sample(row.id, ids, labels, features)
 
 
@@ -82,6 +91,33 @@ def sequence_logprob(model: Any, batch: Any, params: dict[str, torch.Tensor] | N
     mask = target != -100
     lp = torch.log_softmax(logits, -1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return (lp * mask).sum(1)
+
+
+def pair_batch(session: Any, pairs: list[dict[str, Any]]) -> Any:
+    """Chosen branches then rejected branches, unpacked, each with its own copy of the row's features."""
+    chosen, rejected = [], []
+    for pair in pairs:
+        feats = session.data.features(pair["row"])
+        chosen.append([branch_sample(session, pair["row"], pair["chosen"], feats.clone())])
+        rejected.append([branch_sample(session, pair["row"], pair["rejected"], feats.clone())])
+    return collate_packs(chosen + rejected, session.pad_id, packed=False).to(session.device)
+
+
+@torch.no_grad()
+def pair_metrics(model: Any, session: Any, pairs: list[dict[str, Any]], reference: dict[str, torch.Tensor],
+                 beta: float, chunk: int = 16) -> dict[str, float]:
+    """Mean DPO loss and chosen-minus-rejected margin over a fixed set of pairs."""
+    losses, margins = [], []
+    for i in range(0, len(pairs), chunk):
+        part = pairs[i : i + chunk]
+        batch = pair_batch(session, part)
+        ref = sequence_logprob(model, batch, params=reference)
+        pol = sequence_logprob(model, batch)
+        n = len(part)
+        margin = (pol[:n] - ref[:n]) - (pol[n:] - ref[n:])
+        losses.append(-F.logsigmoid(beta * margin))
+        margins.append(margin)
+    return {"loss": float(torch.cat(losses).mean()), "margin": float(torch.cat(margins).mean())}
 
 
 def train_dpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps: int | None = None,
@@ -131,18 +167,17 @@ def train_dpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps:
     else:
         metrics.reset()
     total = opts.steps if max_steps is None else min(opts.steps, max_steps)
+    probe = pairs[: opts.probe_pairs]
+    model.eval()
+    start = pair_metrics(model, session, probe, reference, opts.beta)
+    model.train()
     bar = tqdm(total=total, initial=step, desc="dpo", disable=not progress, dynamic_ncols=True)
     t_start = time.perf_counter()
     model.train()
     while step < total:
         drawn = [pairs[rng.randrange(len(pairs))] for _ in range(opts.pairs_per_step)]
-        chosen, rejected = [], []
-        for pair in drawn:
-            feats = session.data.features(pair["row"])
-            # each branch carries its own copy of the features; its placeholders are checked against them
-            chosen.append([branch_sample(session, pair["row"], pair["chosen"], feats.clone())])
-            rejected.append([branch_sample(session, pair["row"], pair["rejected"], feats.clone())])
-        batch = collate_packs(chosen + rejected, session.pad_id, packed=False).to(session.device)
+        # each branch carries its own copy of the features; its placeholders are checked against them
+        batch = pair_batch(session, drawn)
         with torch.no_grad():
             ref = sequence_logprob(model, batch, params=reference)
         pol = sequence_logprob(model, batch)
@@ -167,8 +202,14 @@ def train_dpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps:
                       {"data_rng": random_to_json(rng), "donor": str(donor)})
     bar.close()
     history = metrics.read()
+    model.eval()
+    end = pair_metrics(model, session, probe, reference, opts.beta)
     summary = {
         "stage": "dpo", "steps": step, "donor": str(donor),
+        # on a fixed probe set of pairs: at the start the policy equals the reference (loss = log 2, margin 0)
+        "probe_pairs": len(probe),
+        "probe_loss_start": start["loss"], "probe_loss_end": end["loss"],
+        "probe_margin_start": start["margin"], "probe_margin_end": end["margin"],
         "loss_first": history[0]["loss"] if history else None,
         "loss_last": history[-1]["loss"] if history else None,
         "margin_first": history[0]["margin"] if history else None,

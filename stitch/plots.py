@@ -23,7 +23,7 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
     written = []
     fig, ax = plt.subplots(figsize=(7, 4))
     for stage in ("alignment", "sft", "grpo", "dpo"):
-        rows = _read(out_dir / stage / "metrics.jsonl")
+        rows = [r for r in _read(out_dir / stage / "metrics.jsonl") if "loss" in r]
         if rows:
             ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=stage)
     ax.set_xlabel("step")
@@ -39,6 +39,8 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
     if grpo:
         fig, ax = plt.subplots(figsize=(7, 4))
         steps = [r["step"] for r in grpo]
+        grpo = [r for r in grpo if "reward" in r]
+        steps = [r["step"] for r in grpo]
         rewards = [r["reward"] for r in grpo]
         ax.plot(steps, rewards, alpha=0.4, label="mean reward")
         window = max(1, len(rewards) // 10)
@@ -52,6 +54,30 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
         ax.legend()
         fig.tight_layout()
         written.append(out_dir / "reward.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+
+    curves = {stage: [r for r in _read(out_dir / stage / "metrics.jsonl") if "eval_accuracy" in r]
+              for stage in ("sft", "grpo")}
+    if any(len(v) > 1 for v in curves.values()):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        offset = 0
+        for stage in ("sft", "grpo"):
+            rows = curves[stage]
+            if rows:
+                ax.plot([offset + r["step"] for r in rows], [r["eval_accuracy"] for r in rows], marker="o",
+                        label=stage)
+                offset += rows[-1]["step"]
+        chance = summary.get("chance_accuracy")
+        if chance:
+            ax.axhline(chance, color="gray", linestyle="--", label=f"chance {chance:.0%}")
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("step (SFT, then GRPO)")
+        ax.set_ylabel("held-out accuracy")
+        ax.set_title("accuracy during training")
+        ax.legend()
+        fig.tight_layout()
+        written.append(out_dir / "accuracy_curve.png")
         fig.savefig(written[-1], dpi=100)
         plt.close(fig)
 

@@ -43,6 +43,7 @@ class StageOptions:
     partition: str = "train"
     eval_partition: str | None = "eval"
     eval_rows: int = 64
+    eval_every: int = 0  # also evaluate every N steps (0: only at the end); logged as eval_accuracy
     dtype: str = "float32"
     lora: dict[str, Any] = field(default_factory=lambda: {"r": 16, "alpha": 32, "dropout": 0.0})
     packing: bool = True  # the model plugin may still refuse (ModelSpec.supports_packing)
@@ -277,6 +278,10 @@ def train_stage(
             "tokens_per_s": round(batch.tokens / dt, 1),
             **{f"lr_{g['name']}": scheduler.get_last_lr()[i] for i, g in enumerate(groups)},
         }
+        if opts.eval_partition and opts.eval_every and step % opts.eval_every == 0 and step < total:
+            from stitch.evaluation import evaluate_accuracy
+
+            record["eval_accuracy"] = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
         metrics.write(record)
         bar.set_postfix(loss=f"{record['loss']:.3f}", fill=f"{fill:.2f}")
         bar.update(1)
@@ -302,7 +307,7 @@ def train_stage(
     if opts.eval_partition:
         from stitch.evaluation import evaluate_accuracy
 
-        model.eval()
         summary["eval_accuracy"] = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
+        metrics.write({"step": step, "eval_accuracy": summary["eval_accuracy"], "final": True})
     write_text_atomic(stage_dir / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -27,3 +27,34 @@ def host():
     from stitch.plugins import load_plugins
 
     return load_plugins()
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory, stitch_cache):
+    """A small prepared run directory (the demo base, tiny CLIP) with a finished alignment stage."""
+    from stitch.prepare import prepare
+    from stitch.recipe import load_recipe
+    from stitch.training import train_stage
+    from stitch_testing import write_recipe
+
+    root = tmp_path_factory.mktemp("prepared")
+    recipe = load_recipe(write_recipe(root / "small.yaml"))
+    prepare(recipe, root / "run" / "data", progress=False)
+    train_stage(recipe, "alignment", root / "run", progress=False)
+    return root
+
+
+@pytest.fixture(scope="session")
+def sft_run(prepared, tmp_path_factory):
+    """``prepared`` plus a 4-step SFT stage: a donor for GRPO, DPO and inference tests."""
+    import shutil
+
+    from stitch.recipe import load_recipe
+    from stitch.training import train_stage
+    from stitch_testing import write_recipe
+
+    root = tmp_path_factory.mktemp("sft-run")
+    shutil.copytree(prepared / "run", root / "run")
+    recipe = load_recipe(write_recipe(root / "small.yaml", stages__sft__steps=4))
+    train_stage(recipe, "sft", root / "run", progress=False)
+    return root / "run"

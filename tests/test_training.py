@@ -20,18 +20,6 @@ from stitch.training import audit_gradients, train_stage
 from stitch_testing import copy_prepared, write_recipe
 
 
-@pytest.fixture(scope="session")
-def prepared(tmp_path_factory, stitch_cache):
-    """A small prepared run directory (the demo base, tiny CLIP) with a finished alignment stage."""
-    from stitch.prepare import prepare
-
-    root = tmp_path_factory.mktemp("prepared")
-    recipe = load_recipe(write_recipe(root / "small.yaml"))
-    prepare(recipe, root / "run" / "data", progress=False)
-    train_stage(recipe, "alignment", root / "run", progress=False)
-    return root
-
-
 def _losses(run: Path, stage: str) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / stage / "metrics.jsonl").read_text().splitlines()]
 

@@ -1,0 +1,176 @@
+"""GRPO, DPO, the warm-start gate, the safetensors merge and inference."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stitch.dpo import branch_sample, train_dpo
+from stitch.grpo import GRPOOptions, group_advantages, reward, train_grpo
+from stitch.provenance import ProvenanceError
+from stitch.recipe import RecipeError, load_recipe
+from stitch.scatter import PlaceholderCountError
+from stitch_testing import write_recipe
+
+
+def _clone(sft_run: Path, dst: Path) -> Path:
+    shutil.copytree(sft_run, dst / "run")
+    return dst / "run"
+
+
+def _donor(run: Path) -> Path:
+    return run / "sft" / "checkpoints" / (run / "sft" / "checkpoints" / "LATEST").read_text().strip()
+
+
+def test_reward_grades_the_first_integer_after_the_answer_phrase():
+    assert reward("The answer is 3.", "The answer is 3.") == 1.0
+    assert reward("The answer is 4. The answer is 3.", "The answer is 3.") == 0.0
+    assert reward("3", "The answer is 3.") == 0.0
+
+
+def test_group_advantages_are_normalised_within_each_group():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), 3)
+    assert torch.allclose(adv[:3].mean(), torch.tensor(0.0), atol=1e-6)
+    assert adv[0] > 0 > adv[1] and adv[3] < 0 < adv[4]
+
+
+def test_trainable_projector_variant_refuses_a_non_constant_schedule_at_construction(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__train_projector=True,
+                                      stages__grpo__schedule="cosine"))
+    with pytest.raises(RecipeError, match="constant"):
+        GRPOOptions.from_recipe(recipe)
+
+
+GATE_EDITS = {
+    "lora_r": ("adapter/adapter_config.json", "r", 3),
+    "lora_alpha": ("adapter/adapter_config.json", "lora_alpha", 7),
+    "target_modules": ("adapter/adapter_config.json", "target_modules", ["q_proj"]),
+    "base_model": ("projector/manifest.json", "base_model", "qwen3.5-tiny"),
+    "feature_width": ("projector/manifest.json", "feature_width", 512),
+    "tokens_per_item": ("projector/manifest.json", "tokens_per_item", 64),
+    "sentinel_ids": ("projector/manifest.json", "sentinel_ids", {"start": 1, "placeholder": 2, "end": 3}),
+}
+
+
+@pytest.mark.parametrize("field", sorted(GATE_EDITS))
+def test_provenance_gate_refuses_each_mismatched_field_before_any_model_load(sft_run, tmp_path, monkeypatch,
+                                                                           field):
+    run = _clone(sft_run, tmp_path)
+    rel, key, value = GATE_EDITS[field]
+    path = _donor(run) / rel
+    data = json.loads(path.read_text())
+    data[key] = value
+    path.write_text(json.dumps(data))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the provenance gate refused")
+
+    monkeypatch.setattr("stitch.session.load_model", no_load)
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
+    with pytest.raises(ProvenanceError, match=f"field '{field}'"):
+        train_grpo(recipe, run, progress=False)
+    with pytest.raises(ProvenanceError, match=f"field '{field}'"):
+        train_dpo(recipe, run, progress=False)
+
+
+def test_grpo_trainable_projector_logs_drift_before_every_update_and_trains_only_adapter_and_projector(
+        sft_run, tmp_path):
+    run = _clone(sft_run, tmp_path)
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__train_projector=True,
+                                      stages__grpo__steps=3, stages__grpo__lr_projector=1e-2))
+    summary = train_grpo(recipe, run, progress=False)
+    drift = [json.loads(line)["projector_drift"] for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert drift[0] == 0.0 and drift[-1] > 0.0  # logged before each update: the first sees the warm start
+    assert summary["trainable_parameters"]["projector"] > 0 and summary["trainable_parameters"]["other"] == 0
+    assert summary["parity_max_abs_logprob"] < 1e-3  # embedded engine == training forward
+
+
+def test_grpo_default_keeps_the_projector_frozen(sft_run, tmp_path):
+    run = _clone(sft_run, tmp_path)
+    summary = train_grpo(load_recipe(write_recipe(tmp_path / "r.yaml")), run, progress=False)
+    assert summary["trainable_parameters"] == {"projector": 0, "adapter": summary["trainable_parameters"]["adapter"],
+                                               "other": 0}
+    from safetensors.torch import load_file
+
+    before = load_file(str(_donor(run) / "projector" / "mm-projector.safetensors"))
+    after = load_file(str(Path(summary["checkpoint"]) / "projector" / "mm-projector.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_dpo_loss_falls_and_margin_grows_on_the_default_pairs(sft_run, tmp_path):
+    run = _clone(sft_run, tmp_path)
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__dpo__steps=8, stages__dpo__pairs_per_step=4,
+                                      stages__dpo__lr_adapter=2e-3))
+    summary = train_dpo(recipe, run, progress=False)
+    assert summary["probe_loss_start"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at the start
+    assert summary["probe_margin_start"] == pytest.approx(0.0, abs=1e-4)
+    assert summary["probe_loss_end"] < summary["probe_loss_start"] - 0.01
+    assert summary["probe_margin_end"] > summary["probe_margin_start"] + 0.1
+
+
+def test_dpo_branch_with_a_wrong_placeholder_count_is_refused_naming_the_row(sft_run):
+    from stitch.session import StitchSession
+
+    recipe = load_recipe(write_recipe(sft_run.parent / "gate.yaml"))
+    session = StitchSession.open(recipe, sft_run)
+    row = next(iter(session.data.rows("train")))
+    feats = session.data.features(row)
+    branch_sample(session, row, "The answer is 2.", feats)
+    with pytest.raises(PlaceholderCountError, match=row.id):
+        branch_sample(session, row, "The answer is 2.", torch.cat([feats, feats]))
+
+
+def test_safetensors_merge_matches_peft_merge(sft_run):
+    from peft import PeftModel
+
+    from stitch.merge import merge_adapter_into_model
+    from stitch.models import load_model
+    from stitch.plugins import get_host
+
+    spec = get_host().get("models", "qwen3.5-demo")
+    adapter = _donor(sft_run) / "adapter"
+    ids = torch.tensor([[1, 5, 9, 20, 33, 7]])
+    plain = load_model(spec)
+    assert merge_adapter_into_model(plain, adapter) > 0
+    peft_merged = PeftModel.from_pretrained(load_model(spec), str(adapter)).merge_and_unload()
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, peft_merged(ids).logits, atol=1e-5)
+        assert not torch.allclose(plain(ids).logits, load_model(spec)(ids).logits, atol=1e-5)
+
+
+def test_infer_prompt_is_byte_identical_to_the_rollout_prompt(sft_run):
+    from stitch.inference import Stitched
+    from stitch.session import StitchSession
+    from stitch.tiny import COUNT_QUESTION
+
+    recipe = load_recipe(write_recipe(sft_run.parent / "gate.yaml"))
+    session = StitchSession.open(recipe, sft_run)
+    server = Stitched(sft_run / "sft" / "checkpoints")
+    assert server.tokenizer(server.prompt_text(COUNT_QUESTION), add_special_tokens=False)["input_ids"] == \
+        session.prompt_ids(COUNT_QUESTION)
+    from stitch.collator import render_prompt
+
+    assert server.prompt_text(COUNT_QUESTION) == render_prompt(
+        session.tokenizer, COUNT_QUESTION, session.sentinel_ids, session.encoder_spec.tokens_per_item)
+
+
+def test_infer_cli_picks_the_latest_step_and_answers(sft_run, tmp_path):
+    import random
+
+    from stitch.demo_data import render_scene, sample_scene
+
+    image = tmp_path / "scene.png"
+    render_scene(sample_scene(random.Random(5))).save(image)
+    out = subprocess.run(
+        [sys.executable, "-m", "stitch", "infer", "--adapter", str(sft_run / "sft" / "checkpoints"),
+         "--image", str(image), "--question", "How many objects are in the image?"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    assert str(_donor(sft_run)) in out.replace("\n", "")
+    assert "answer is" in out.lower()
