@@ -141,7 +141,7 @@ class PluginHost:
         return any(impl.plugin_name == plugin_name for impl in caller.get_hookimpls())
 
     def _collect(self) -> None:
-        for kind, (hook, spec_type, noun) in KINDS.items():
+        for kind, (hook, _spec_type, _noun) in KINDS.items():
             for impl in getattr(self.pm.hook, hook).get_hookimpls():
                 plugin = impl.plugin_name
 

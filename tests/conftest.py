@@ -32,10 +32,11 @@ def host():
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, stitch_cache):
     """A small prepared run directory (the demo base, tiny CLIP) with a finished alignment stage."""
+    from stitch_testing import write_recipe
+
     from stitch.prepare import prepare
     from stitch.recipe import load_recipe
     from stitch.training import train_stage
-    from stitch_testing import write_recipe
 
     root = tmp_path_factory.mktemp("prepared")
     recipe = load_recipe(write_recipe(root / "small.yaml"))
@@ -49,9 +50,10 @@ def sft_run(prepared, tmp_path_factory):
     """``prepared`` plus a 4-step SFT stage: a donor for GRPO, DPO and inference tests."""
     import shutil
 
+    from stitch_testing import write_recipe
+
     from stitch.recipe import load_recipe
     from stitch.training import train_stage
-    from stitch_testing import write_recipe
 
     root = tmp_path_factory.mktemp("sft-run")
     shutil.copytree(prepared / "run", root / "run")

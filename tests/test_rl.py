@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from stitch_testing import write_recipe
 
 from stitch.dpo import branch_sample, train_dpo
 from stitch.grpo import GRPOOptions, group_advantages, reward, train_grpo
 from stitch.provenance import ProvenanceError
 from stitch.recipe import RecipeError, load_recipe
 from stitch.scatter import PlaceholderCountError
-from stitch_testing import write_recipe
 
 
 def _clone(sft_run: Path, dst: Path) -> Path:

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from stitch_testing import copy_prepared, write_recipe
 
 from stitch.packing import PackedStream, collate_packs
 from stitch.recipe import load_recipe
 from stitch.training import audit_gradients, train_stage
-from stitch_testing import copy_prepared, write_recipe
 
 
 def _losses(run: Path, stage: str) -> list[float]:
@@ -96,7 +96,7 @@ def test_packed_batch_loss_equals_unpacked_loss_of_the_same_samples(prepared, tm
     model = session.build_model(stage="sft", lora={"r": 4, "alpha": 8})
     torch.manual_seed(1)
     with torch.no_grad():  # a nonzero adapter and projector, so the check covers them
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.normal_(0, 0.05)
     pack = _stream(session, 512, pack=True).next_pack()
