@@ -138,7 +138,12 @@ def train(
 
     if stage not in STAGES:
         raise typer.BadParameter(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
+    from stitch.validate import validate_recipe
+
     loaded = load_recipe(recipe)
+    validate_recipe(loaded)
+    if stage not in loaded.stages:
+        raise typer.BadParameter(f"recipe {loaded.name!r} has no stage {stage!r}; it has {sorted(loaded.stages)}")
     out = out or Path("runs") / loaded.name
     if stage in ("alignment", "sft"):
         from stitch.training import train_stage

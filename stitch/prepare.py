@@ -168,6 +168,9 @@ def _with_base(value: Any, base: Path | None) -> Any:
     return value
 
 
+LLAVA_IMAGE_MARKER = "<image>"
+
+
 def _messages(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int) -> list[dict[str, str]]:
     cols = recipe.data.columns
     if cols.messages is None:
@@ -191,7 +194,8 @@ def _messages(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int
             raise InvalidRow(
                 row_id, position, cols.messages, f"expected {{role, content}} turns (roles {sorted(_ROLES)}), got {turn!r}"
             )
-        out.append({"role": _ROLES[role], "content": content})
+        # LLaVA-style data marks the image with a literal "<image>" in the text; stitch places media itself
+        out.append({"role": _ROLES[role], "content": content.replace(LLAVA_IMAGE_MARKER, "").strip()})
     if out[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in out):
         raise InvalidRow(row_id, position, cols.messages, "messages must contain a user turn and end with the assistant")
     return out

@@ -20,6 +20,9 @@ def run_chain(recipe: Recipe, out_dir: Path, *, resume: bool = True, progress: b
     from stitch.prepare import prepare
     from stitch.training import train_stage
 
+    from stitch.validate import validate_recipe
+
+    validate_recipe(recipe)  # every stage's options, before any data or weights are touched
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"recipe": recipe.name, "model": recipe.model, "encoder": recipe.encoder, "stages": {}}

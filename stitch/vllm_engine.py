@@ -19,6 +19,7 @@ vLLM is imported lazily; the core registers this engine as ``vllm`` only where v
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
 import tempfile
@@ -90,6 +91,14 @@ def write_engine_config(lm: torch.nn.Module, out_dir: Path) -> Path:
     return Path(out_dir)
 
 
+def _default_max_model_len(model_dir: Path, cap: int = 4096) -> int | None:
+    """The config's context length capped at ``cap`` (rollout prompts are short; vLLM would otherwise size
+    for the full context, 256k on Qwen3.5, and refuse a small KV cache); ``None`` lets vLLM decide."""
+    config = json.loads((model_dir / "config.json").read_text())
+    limit = config.get("text_config", config).get("max_position_embeddings")
+    return min(int(limit), cap) if limit else None
+
+
 def _import_vllm() -> Any:
     # In-process engine core: refits hand the worker a weights iterator directly, and no process is spawned
     # (spawn would need a __main__ guard in every caller). Must be set before vLLM reads its environment.
@@ -137,7 +146,7 @@ class VLLMEngine:
         eos_id: int | None,
         source_lm: torch.nn.Module | None = None,
         dtype: torch.dtype | None = None,
-        max_model_len: int | None = None,
+        max_model_len: int | None = None,  # default: the config's, capped at 4096
         kv_cache_memory_bytes: int = 512 << 20,
         seed: int = 0,
         **llm_options: Any,
@@ -166,8 +175,7 @@ class VLLMEngine:
             "enforce_eager": True,
             "seed": seed,
         }
-        if max_model_len is not None:
-            options["max_model_len"] = max_model_len
+        options["max_model_len"] = max_model_len or _default_max_model_len(Path(model_dir))
         if current_platform.is_cpu():
             options["block_size"] = 32  # the CPU backend rejects 16
         options.update(llm_options)

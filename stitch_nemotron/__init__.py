@@ -9,7 +9,7 @@ from stitch.hookspecs import hookimpl
 from stitch_nemotron.models import MODELS
 from stitch_nemotron.sentinels import SENTINELS
 
-__all__ = ["register_models", "register_token_sentinels"]
+__all__ = ["register_models", "register_token_sentinels", "register_recipes"]
 
 
 @hookimpl
@@ -21,3 +21,13 @@ def register_models(register):
 @hookimpl
 def register_token_sentinels(register):
     register(SENTINELS)
+
+
+@hookimpl
+def register_recipes(register):
+    from pathlib import Path
+
+    from stitch.specs import RecipeSpec
+
+    for path in sorted((Path(__file__).parent / "recipes").glob("*.yaml")):
+        register(RecipeSpec(path.stem, path, path.read_text().splitlines()[0].lstrip("# ")))

@@ -12,7 +12,7 @@ from stitch_qwen.models import MODELS
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.vlm_layout import VLM_TO_TEXT
 
-__all__ = ["register_models", "register_state_dict_adapters", "register_token_sentinels"]
+__all__ = ["register_models", "register_state_dict_adapters", "register_token_sentinels", "register_recipes"]
 
 
 @hookimpl
@@ -29,3 +29,13 @@ def register_token_sentinels(register):
 @hookimpl
 def register_state_dict_adapters(register):
     register(VLM_TO_TEXT)
+
+
+@hookimpl
+def register_recipes(register):
+    from pathlib import Path
+
+    from stitch.specs import RecipeSpec
+
+    for path in sorted((Path(__file__).parent / "recipes").glob("*.yaml")):
+        register(RecipeSpec(path.stem, path, path.read_text().splitlines()[0].lstrip("# ")))
