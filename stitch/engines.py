@@ -6,6 +6,7 @@ is a no-op; engines that hold their own weights (vLLM) receive merged weights th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,15 @@ class Completion:
     prompt_index: int
     token_ids: list[int]
     logprobs: list[float]  # the engine's log-prob of each sampled token (temperature applied)
+
+
+def mask_suppressed(logits: torch.Tensor, suppress_ids: Sequence[int]) -> torch.Tensor:
+    """Logits with the suppressed ids at -inf: the distribution every engine samples from and scores."""
+    if not suppress_ids:
+        return logits
+    logits = logits.clone()
+    logits[..., list(suppress_ids)] = float("-inf")
+    return logits
 
 
 def left_pad(prompt_embeds: list[torch.Tensor], pad_embed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,10 +44,12 @@ class EmbeddedEngine:
 
     name = "embedded"
 
-    def __init__(self, lm: Any, pad_id: int, eos_id: int) -> None:
+    def __init__(self, lm: Any, pad_id: int, eos_id: int, suppress_ids: Sequence[int] = ()) -> None:
         self.lm = lm
         self.pad_id = pad_id
         self.eos_id = eos_id
+        # media sentinels must never be sampled: a completion holding a placeholder would break the scatter
+        self.suppress_ids = list(suppress_ids)
 
     def refit(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Nothing to do: the engine generates with the policy's own (adapter-carrying) weights."""
@@ -56,13 +68,14 @@ class EmbeddedEngine:
             top_k=0 if not greedy else None,
             top_p=1.0 if not greedy else None,
             num_return_sequences=n,
+            suppress_tokens=self.suppress_ids or None,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
             output_logits=True,
             return_dict_in_generate=True,
         )
         sequences = out.sequences[:, -len(out.logits):]
-        logits = torch.stack(out.logits, dim=1).float()  # [B*n, T, V], raw
+        logits = mask_suppressed(torch.stack(out.logits, dim=1).float(), self.suppress_ids)  # [B*n, T, V]
         scale = 1.0 if greedy else temperature
         logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, sequences.unsqueeze(-1)).squeeze(-1)
         completions = []

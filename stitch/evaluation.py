@@ -49,6 +49,7 @@ def generate_answers(session: Any, model: Any, rows: list[Any], max_new_tokens: 
         do_sample=False,
         pad_token_id=session.pad_id,
         eos_token_id=session.tokenizer.eos_token_id,
+        suppress_tokens=list(session.sentinel_ids.as_dict().values()),
     )
     return session.tokenizer.batch_decode(out, skip_special_tokens=True)
 

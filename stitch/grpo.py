@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from stitch.checkpoint import (
     save_step,
     write_text_atomic,
 )
+from stitch.engines import mask_suppressed
 from stitch.evaluation import evaluate_accuracy, parse_answer
 from stitch.packing import Sample, collate_packs
 from stitch.provenance import check_warm_start
@@ -89,10 +91,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return adv.view(-1)
 
 
-def token_logprobs(model: Any, batch: Any, temperature: float, params: dict[str, torch.Tensor] | None = None):
-    """Log-probs of each label token under ``model`` (or under ``params`` substituted into it)."""
+def token_logprobs(model: Any, batch: Any, temperature: float, params: dict[str, torch.Tensor] | None = None,
+                   suppress_ids: Sequence[int] = ()):
+    """Log-probs of each label token under ``model`` (or under ``params`` substituted into it), over the
+    same distribution the engine samples from (suppressed ids masked)."""
     logits = model.logits(batch) if params is None else _logits_with(model, params, batch)
-    logits = logits[:, :-1].float() / temperature
+    logits = mask_suppressed(logits[:, :-1].float(), suppress_ids) / temperature
     target = batch.labels[:, 1:]
     mask = target != -100
     lp = torch.log_softmax(logits, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -152,8 +156,9 @@ def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps
     if opts.train_projector:
         groups.append({"params": list(model.projector.parameters()), "lr": opts.lr_projector, "name": "projector"})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    sentinels = list(session.sentinel_ids.as_dict().values())
     engine = session.host.get("rollout_engines", opts.engine).factory(
-        model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id)
+        model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id, suppress_ids=sentinels)
     rows = list(session.data.rows(opts.partition))
     rows = [r for r in rows if parse_answer(r.answer) is not None]
     if not rows:
@@ -200,9 +205,9 @@ def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps
         batch = collate_packs(samples, session.pad_id, packed=False).to(session.device)
         t1 = time.perf_counter()
         with torch.no_grad():
-            old_lp, mask = token_logprobs(model, batch, opts.temperature)
+            old_lp, mask = token_logprobs(model, batch, opts.temperature, suppress_ids=sentinels)
             ref_lp, _ = token_logprobs(model, batch, opts.temperature, params={**reference, **{
-                f"projector.{n}": t for n, t in anchor.items()}})
+                f"projector.{n}": t for n, t in anchor.items()}}, suppress_ids=sentinels)
         engine_lp = torch.zeros_like(old_lp)
         for i, c in enumerate(completions):
             pos = mask[i].nonzero().squeeze(-1)
@@ -213,7 +218,7 @@ def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps
         t2 = time.perf_counter()
         model.train()
         for _ in range(opts.updates_per_batch):
-            lp, _ = token_logprobs(model, batch, opts.temperature)
+            lp, _ = token_logprobs(model, batch, opts.temperature, suppress_ids=sentinels)
             ratio = torch.exp(lp - old_lp)
             a = adv.unsqueeze(1)
             surrogate = torch.min(ratio * a, torch.clamp(ratio, 1 - opts.clip_eps, 1 + opts.clip_eps) * a)

@@ -75,7 +75,8 @@ class Stitched:
         projector.load_state_dict(load_projector_artifact(self.checkpoint.projector_dir, expected))
         self.model = StitchedModel(lm, projector.eval(), self.sentinel_ids.placeholder).to(self.device)
         self.engine = host.get("rollout_engines", engine).factory(
-            lm, pad_id=self._pad_id(), eos_id=self.tokenizer.eos_token_id)
+            lm, pad_id=self._pad_id(), eos_id=self.tokenizer.eos_token_id,
+            suppress_ids=list(self.sentinel_ids.as_dict().values()))
         self._encoder = None
 
     def _pad_id(self) -> int:

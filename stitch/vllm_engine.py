@@ -23,7 +23,7 @@ import json
 import os
 import random
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Sequence, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -149,6 +149,8 @@ class VLLMEngine:
         max_model_len: int | None = None,  # default: the config's, capped at 4096
         kv_cache_memory_bytes: int = 512 << 20,
         seed: int = 0,
+        suppress_ids: Sequence[int] = (),
+        vocab_size: int | None = None,
         **llm_options: Any,
     ) -> None:
         floating = [t.dtype for t in state_dict.values() if t.is_floating_point()]
@@ -157,6 +159,12 @@ class VLLMEngine:
         self.dtype = dtype or max(set(floating), key=floating.count)
         self.expected = {name: tuple(t.shape) for name, t in state_dict.items()}
         self.pad_id, self.eos_id = pad_id, eos_id
+        # media sentinels are never sampled (masked to -inf, as the embedded engine and the policy loss do)
+        self.allowed_ids = None
+        if suppress_ids:
+            if vocab_size is None:
+                raise ValueError("suppress_ids needs vocab_size")
+            self.allowed_ids = [i for i in range(vocab_size) if i not in set(suppress_ids)]
         self.source_lm = source_lm
         payload = self.validate(state_dict)
 
@@ -189,6 +197,7 @@ class VLLMEngine:
         re-merges from it after each update."""
         config_dir = tempfile.TemporaryDirectory(prefix="stitch-vllm-")
         write_engine_config(lm, Path(config_dir.name))
+        options.setdefault("vocab_size", lm.get_output_embeddings().weight.shape[0])
         engine = cls(config_dir.name, merged_state_dict(lm), pad_id=pad_id, eos_id=eos_id, source_lm=lm, **options)
         engine._config_dir = config_dir  # kept alive with the engine
         return engine
@@ -257,6 +266,7 @@ class VLLMEngine:
             ignore_eos=True,
             stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
             detokenize=False,
+            allowed_token_ids=self.allowed_ids,
         )
         prompts = [{"prompt_embeds": e.detach().to(device="cpu", dtype=self.dtype)} for e in prompt_embeds]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)

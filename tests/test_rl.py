@@ -174,3 +174,29 @@ def test_infer_cli_picks_the_latest_step_and_answers(sft_run, tmp_path):
     ).stdout
     assert str(_donor(sft_run)) in out.replace("\n", "")
     assert "answer is" in out.lower()
+
+
+def test_engines_never_sample_media_sentinels_and_score_the_masked_distribution(sft_run):
+    from stitch.engines import EmbeddedEngine
+    from stitch.session import StitchSession
+
+    recipe = load_recipe(write_recipe(sft_run.parent / "gate.yaml"))
+    session = StitchSession.open(recipe, sft_run)
+    model = session.build_model(stage="grpo", adapter_from=_donor(sft_run) / "adapter",
+                                projector_from=_donor(sft_run) / "projector")
+    placeholder = session.sentinel_ids.placeholder
+    with torch.no_grad():  # make the placeholder the model's favourite next token
+        model.lm.get_output_embeddings().weight[placeholder] *= 0
+        model.lm.get_output_embeddings().bias = None
+        model.lm.get_output_embeddings().weight[placeholder] += 50 * model.lm.get_input_embeddings().weight.std()
+    row = next(iter(session.data.rows("grpo")))
+    ids = torch.tensor([session.prompt_ids(row.question)])
+    prompt = model.embed(ids, session.data.features(row), [row.id])[0].detach()
+    sentinels = list(session.sentinel_ids.as_dict().values())
+    free = EmbeddedEngine(model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id)
+    assert placeholder in free.generate([prompt], 1, 4, greedy=True)[0].token_ids  # the bias works
+    engine = EmbeddedEngine(model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id,
+                            suppress_ids=sentinels)
+    for completion in engine.generate([prompt], 8, 6, temperature=1.0):
+        assert not set(completion.token_ids) & set(sentinels)
+        assert all(lp > float("-inf") for lp in completion.logprobs)
