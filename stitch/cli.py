@@ -145,10 +145,19 @@ def train(
     if stage not in loaded.stages:
         raise typer.BadParameter(f"recipe {loaded.name!r} has no stage {stage!r}; it has {sorted(loaded.stages)}")
     out = out or Path("runs") / loaded.name
+    from stitch.distributed import launch_rank, launch_world_size
+
+    if stage in ("grpo", "dpo") and launch_world_size() > 1:
+        raise typer.BadParameter(
+            f"{stage} runs in one process (WORLD_SIZE={launch_world_size()} here): only alignment and sft run "
+            f"data parallel under torchrun; start `stitch train {stage}` without torchrun"
+        )
     if stage in ("alignment", "sft"):
         from stitch.training import train_stage
 
         summary = train_stage(loaded, stage, out, resume=resume, max_steps=max_steps)
+        if launch_rank() != 0:
+            return
     elif stage == "grpo":
         from stitch.grpo import train_grpo
 
@@ -212,6 +221,7 @@ def run(
     recipe: str = typer.Argument("demo", help="A registered recipe name or a YAML path."),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<recipe name>)."),
     fresh: bool = typer.Option(False, "--fresh", help="Re-run stages whose summary already exists."),
+    dpo: bool = typer.Option(False, "--dpo", help="Also run the DPO stage after GRPO."),
 ) -> None:
     """The main job: prepare -> alignment -> SFT -> GRPO -> evaluation -> one inference."""
     from stitch.recipe import load_recipe
@@ -219,7 +229,9 @@ def run(
 
     loaded = load_recipe(recipe)
     out = out or Path("runs") / loaded.name
-    summary = run_chain(loaded, out, resume=not fresh)
+    from stitch.run import DEFAULT_STAGES
+
+    summary = run_chain(loaded, out, stages=DEFAULT_STAGES + (("dpo",) if dpo else ()), resume=not fresh)
     table = Table(title=f"stitch run {loaded.name} -> {out}")
     for col in ("stage", "seconds", "eval accuracy", "notes"):
         table.add_column(col)

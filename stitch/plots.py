@@ -21,19 +21,20 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
 
     out_dir = Path(out_dir)
     written = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for stage in ("alignment", "sft", "grpo", "dpo"):
-        rows = [r for r in _read(out_dir / stage / "metrics.jsonl") if "loss" in r]
-        if rows:
-            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=stage)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("training loss")
-    ax.legend()
-    fig.tight_layout()
-    written.append(out_dir / "loss.png")
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    losses = {stage: [r for r in _read(out_dir / stage / "metrics.jsonl") if "loss" in r]
+              for stage in ("alignment", "sft", "grpo", "dpo")}
+    losses = {stage: rows for stage, rows in losses.items() if rows}
+    if losses:
+        # one panel per stage: their losses live on different scales (captions vs answers vs policy loss)
+        fig, axes = plt.subplots(1, len(losses), figsize=(3.6 * len(losses), 3.4), squeeze=False)
+        for ax, (stage, rows) in zip(axes[0], losses.items(), strict=True):
+            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], linewidth=0.8)
+            ax.set_title(f"{stage} loss")
+            ax.set_xlabel("step")
+        fig.tight_layout()
+        written.append(out_dir / "loss.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
 
     grpo = _read(out_dir / "grpo" / "metrics.jsonl")
     if grpo:

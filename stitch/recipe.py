@@ -147,6 +147,24 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How a recipe expects to be launched; ``stitch.validate`` checks the arithmetic before anything runs.
+
+    Unset sizes resolve at launch: ``world_size`` from torchrun's WORLD_SIZE, ``data_parallel`` to
+    ``world_size / tensor_parallel``. ``gpus`` + ``rollout_replicas`` place GRPO's roles.
+    """
+
+    world_size: int | None = None
+    data_parallel: int | None = None
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    policy_gpus: int = 1
+    rollout_gpus: int = 1
+    rollout_replicas: int = 1
+    roles_given: bool = False  # whether the recipe placed GRPO's roles (``gpus`` / ``rollout_replicas``)
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     model: str
@@ -156,6 +174,7 @@ class Recipe:
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     path: Path | None = None
     digest: str = ""  # sha256 of the YAML text, for provenance
+    parallel: ParallelConfig | None = None
 
     def stage(self, name: str) -> dict[str, Any]:
         if name not in self.stages:
@@ -204,7 +223,7 @@ class _Fields:
 
     def positive_int(self, key: str, default: Any = ...) -> int:
         value = self.get(key, int, "a positive integer", default)
-        if value < 1:
+        if value is not None and value < 1:
             self.fail(key, "a positive integer", value)
         return value
 
@@ -369,9 +388,31 @@ def parse_recipe(mapping: Any, *, path: Path | None = None, text: str = "") -> R
         stages=_parse_stages(top.sub("stages", {})),
         path=path,
         digest=hashlib.sha256(text.encode()).hexdigest() if text else "",
+        parallel=_parse_parallel(top.sub("parallel")) if top.mapping.get("parallel") is not None else None,
     )
+    top.seen.add("parallel")
     top.done()
     return recipe
+
+
+def _parse_parallel(fields: _Fields) -> ParallelConfig:
+    """Types only; the cross-field arithmetic lives in ``stitch.validate.check_parallel``."""
+    roles = fields.sub("gpus") if fields.mapping.get("gpus") is not None else None
+    config = ParallelConfig(
+        world_size=fields.positive_int("world_size", None),
+        data_parallel=fields.positive_int("data_parallel", None),
+        tensor_parallel=fields.positive_int("tensor_parallel", 1),
+        expert_parallel=fields.positive_int("expert_parallel", 1),
+        policy_gpus=roles.positive_int("policy", 1) if roles else 1,
+        rollout_gpus=roles.positive_int("rollout", 1) if roles else 1,
+        rollout_replicas=fields.positive_int("rollout_replicas", 1),
+        roles_given=roles is not None or fields.mapping.get("rollout_replicas") is not None,
+    )
+    fields.seen.add("gpus")
+    if roles:
+        roles.done()
+    fields.done()
+    return config
 
 
 def _parse_stages(fields: _Fields) -> dict[str, dict[str, Any]]:

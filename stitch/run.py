@@ -12,8 +12,13 @@ from stitch.checkpoint import write_text_atomic
 from stitch.recipe import Recipe
 
 
-def run_chain(recipe: Recipe, out_dir: Path, *, resume: bool = True, progress: bool = True) -> dict[str, Any]:
-    """Run every stage the recipe defines, in order; a stage whose summary exists is skipped on re-run."""
+DEFAULT_STAGES = ("alignment", "sft", "grpo")
+
+
+def run_chain(recipe: Recipe, out_dir: Path, *, stages: tuple[str, ...] = DEFAULT_STAGES, resume: bool = True,
+              progress: bool = True) -> dict[str, Any]:
+    """Prepare, then run ``stages`` (those the recipe defines), evaluate, and answer one new input; a stage
+    whose summary exists is skipped on re-run."""
     from stitch.dpo import train_dpo
     from stitch.grpo import train_grpo
     from stitch.plots import plot_run
@@ -37,7 +42,7 @@ def run_chain(recipe: Recipe, out_dir: Path, *, resume: bool = True, progress: b
         "dpo": lambda: train_dpo(recipe, out_dir, progress=progress),
     }
     for stage in ("alignment", "sft", "grpo", "dpo"):
-        if stage not in recipe.stages:
+        if stage not in recipe.stages or stage not in stages:
             continue
         done = out_dir / stage / "summary.json"
         if resume and done.is_file():

@@ -1,7 +1,9 @@
 """Alignment and SFT: one self-contained stage runner (setup -> train -> checkpoint -> summary).
 
 alignment trains only the projector against the frozen LM; sft warm-starts the projector from the
-alignment artifact and trains it jointly with a LoRA adapter on the model plugin's target set.
+alignment artifact and trains it jointly with a LoRA adapter on the model plugin's target set. Under
+``torchrun --nproc-per-node N`` the same loop runs FSDP2 data parallel (stitch.distributed): same global
+batch, same seed, checkpoints in the one-process layout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from stitch.checkpoint import latest_step_dir, load_step_state, save_step, write_text_atomic
+from stitch.distributed import DataParallel, launch_world_size, save_trainable_full
 from stitch.packing import PackedStream, collate_packs
 from stitch.recipe import Recipe, RecipeError
 
@@ -170,13 +173,30 @@ def train_stage(
     max_steps: int | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run ``stage`` (alignment | sft) of ``recipe`` under ``out_dir``; returns the stage summary."""
+    """Run ``stage`` (alignment | sft) of ``recipe`` under ``out_dir``; returns the stage summary.
+
+    Under torchrun (WORLD_SIZE > 1) every rank calls this; rank 0 alone writes metrics, checkpoints and the
+    summary."""
+    from stitch.validate import check_launch
+
+    if stage not in TRAIN_STAGES:
+        raise ValueError(f"train_stage runs {TRAIN_STAGES}, not {stage!r}")
+    check_launch(recipe, stage, StageOptions.from_recipe(recipe, stage), launch_world_size())
+    dp = DataParallel.from_env()
+    try:
+        return _train_stage(recipe, stage, out_dir, dp, resume=resume, max_steps=max_steps, progress=progress)
+    finally:
+        dp.close()
+
+
+def _train_stage(
+    recipe: Recipe, stage: str, out_dir: Path, dp: DataParallel, *, resume: bool, max_steps: int | None,
+    progress: bool,
+) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from stitch.session import StitchSession
 
-    if stage not in TRAIN_STAGES:
-        raise ValueError(f"train_stage runs {TRAIN_STAGES}, not {stage!r}")
     opts = StageOptions.from_recipe(recipe, stage)
     out_dir = Path(out_dir)
     stage_dir = out_dir / stage
@@ -187,7 +207,7 @@ def train_stage(
         raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_root} (no LATEST)")
 
     torch.manual_seed(opts.seed)
-    session = StitchSession.open(recipe, out_dir, dtype=opts.torch_dtype)
+    session = StitchSession.open(recipe, out_dir, dtype=opts.torch_dtype, device=dp.device)
     warm = None
     if stage == "sft":
         warm = latest_step_dir(out_dir / "alignment" / "checkpoints")
@@ -202,6 +222,10 @@ def train_stage(
         projector_from=warm / "projector" if warm else None,
         train_projector=opts.train_projector,
     )
+    if dp.active:
+        if resume_dir is not None:  # full tensors into the plain module; sharding then splits them
+            session.load_trainable(model, resume_dir)
+        model = dp.shard(model)
     allowed = ("projector",) if stage == "alignment" else ("projector", "adapter")
     audit_gradients(model, allowed)
     groups = []
@@ -226,21 +250,39 @@ def train_stage(
     )
     step = 0
     if resume_dir is not None:
-        session.load_trainable(model, resume_dir)
-        state = load_step_state(resume_dir, optimizer)
+        if dp.active:  # optimizer.pt holds full tensors (one-process layout), whatever world size wrote it
+            dp.load_optimizer_state(optimizer, torch.load(resume_dir / "optimizer.pt", weights_only=True))
+        else:
+            session.load_trainable(model, resume_dir)
+        state = load_step_state(resume_dir, None if dp.active else optimizer)
         scheduler.load_state_dict(state["scheduler"])
         stream.load_state_dict(state["data"])
         step = state["step"]
-        metrics.truncate_after(step)
-    else:
+        if dp.is_main:
+            metrics.truncate_after(step)
+    elif dp.is_main:
         metrics.reset()
 
     total = opts.steps if max_steps is None else min(opts.steps, max_steps)
     model.train()
     tokens_seen, t_start = 0, time.perf_counter()
-    bar = tqdm(total=total, initial=step, desc=stage, disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=total, initial=step, desc=stage, disable=not (progress and dp.is_main), dynamic_ncols=True)
 
-    def save(at_step: int) -> Path:
+    def save(at_step: int) -> Path | None:
+        if dp.active:  # every rank gathers; rank 0 writes the same files a one-process run writes
+            full, optim = dp.full_trainable_state(model), dp.full_optimizer_state(optimizer)
+            if not dp.is_main:
+                return None
+
+            def payload(d: Path) -> None:
+                save_trainable_full(session, model, d, stage, full)
+                torch.save(optim, d / "optimizer.pt")
+
+            return save_step(
+                ckpt_root, at_step, payload, None,
+                {"scheduler": scheduler.state_dict(), "data": stream.state_dict(), "recipe_digest": recipe.digest},
+                keep=opts.keep_checkpoints,
+            )
         return save_step(
             ckpt_root,
             at_step,
@@ -252,43 +294,54 @@ def train_stage(
 
     while step < total:
         t0 = time.perf_counter()
-        packs = [stream.next_pack() for _ in range(opts.batch_size)]
-        batch = collate_packs(packs, session.pad_id, packed, length=opts.token_budget if packed else None)
+        packs = [stream.next_pack() for _ in range(opts.batch_size)]  # the global batch, on every rank
+        batch = collate_packs(dp.rows(packs), session.pad_id, packed, length=opts.token_budget if packed else None)
         batch = batch.to(session.device)
         loss, n_labels = model.loss(batch)
+        loss_value, tokens = float(loss.detach()), batch.tokens
+        objective = loss
+        if dp.active:
+            # normalise by the global label count; the gradient reduce-scatter averages over ranks, hence
+            # x world: the averaged gradient is the one-process gradient of the whole batch
+            loss_sum, n_global, tokens = dp.all_sum([loss_value * n_labels, n_labels, batch.tokens])
+            objective = loss * (n_labels * dp.world_size / max(n_global, 1.0))
+            loss_value, n_labels, tokens = loss_sum / max(n_global, 1.0), int(n_global), int(tokens)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        objective.backward()
         if step == 0 or resume_dir is not None:
             audit_gradients(model, allowed)
             resume_dir = None
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], opts.grad_clip)
+        grad_norm = dp.clip_grad_norm([p for g in groups for p in g["params"]], opts.grad_clip)
         optimizer.step()
         scheduler.step()
         step += 1
         dt = time.perf_counter() - t0
-        tokens_seen += batch.tokens
-        fill = batch.tokens / (len(packs) * opts.token_budget) if packed else 1.0
+        tokens_seen += tokens
+        fill = tokens / (len(packs) * opts.token_budget) if packed else 1.0
         record = {
             "step": step,
-            "loss": float(loss.detach()),
+            "loss": loss_value,
             "grad_norm": float(grad_norm),
-            "tokens": batch.tokens,
+            "tokens": tokens,
             "label_tokens": n_labels,
             "pack_fill": round(fill, 4),
-            "tokens_per_s": round(batch.tokens / dt, 1),
+            "tokens_per_s": round(tokens / dt, 1),
             **{f"lr_{g['name']}": scheduler.get_last_lr()[i] for i, g in enumerate(groups)},
         }
         if opts.eval_partition and opts.eval_every and step % opts.eval_every == 0 and step < total:
             from stitch.evaluation import evaluate_accuracy
 
-            record["eval_accuracy"] = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
-        metrics.write(record)
+            with dp.full_parameters(model):
+                record["eval_accuracy"] = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
+        if dp.is_main:
+            metrics.write(record)
         bar.set_postfix(loss=f"{record['loss']:.3f}", fill=f"{fill:.2f}")
         bar.update(1)
         if step % opts.save_every == 0 or step == total:
             save(step)
     bar.close()
     elapsed = time.perf_counter() - t_start
+    dp.barrier()  # rank 0's metrics and checkpoint are complete before any rank reads them
     history = metrics.read()
     summary = {
         "stage": stage,
@@ -304,10 +357,16 @@ def train_stage(
         "metrics": str(metrics.path),
         "seconds": round(elapsed, 2),
     }
+    if dp.active:
+        summary["world_size"] = dp.world_size
+        summary["peak_memory_bytes_per_rank"] = dp.gather_object(peak_memory_bytes())
     if opts.eval_partition:
         from stitch.evaluation import evaluate_accuracy
 
-        summary["eval_accuracy"] = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
-        metrics.write({"step": step, "eval_accuracy": summary["eval_accuracy"], "final": True})
-    write_text_atomic(stage_dir / "summary.json", json.dumps(summary, indent=2))
+        with dp.full_parameters(model):
+            summary["eval_accuracy"] = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
+        if dp.is_main:
+            metrics.write({"step": step, "eval_accuracy": summary["eval_accuracy"], "final": True})
+    if dp.is_main:
+        write_text_atomic(stage_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
