@@ -73,10 +73,10 @@ class DataParallel:
             dist.barrier()
 
     def close(self) -> None:
+        """Leave the group (no barrier: after a failure on one rank the others may sit in a collective)."""
         if self.owns_group:
             import torch.distributed as dist
 
-            dist.barrier()
             dist.destroy_process_group()
             self.owns_group = False
 
@@ -92,7 +92,7 @@ class DataParallel:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         mesh = init_device_mesh(torch.device(self.device).type, (self.world_size,), mesh_dim_names=("dp",))
-        for layer in decoder_layers(model.lm):
+        for layer in reversed(decoder_layers(model.lm)):  # innermost first, should the classes nest
             fully_shard(layer, mesh=mesh)
         fully_shard(model.projector, mesh=mesh)
         fully_shard(model, mesh=mesh)

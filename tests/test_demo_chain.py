@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 CHANCE = 0.2  # counts 1..5, uniform
-# Measured on the 2-core CPU machine (see the closing note of the issue): SFT held-out accuracy
-# SFT_MEASURED; the threshold keeps a wide margin under it and far above chance.
-SFT_MIN_ACCURACY = 0.45
-CONTROL_MAX_ACCURACY = 0.35
+# Measured on the 2-core CPU machine: SFT held-out accuracy 0.59 on 80 rows (0.35 at step 200, 0.51 at
+# 800, 0.59 at 1200); a zeroed-feature control at chance. The thresholds keep a wide margin on both sides.
+SFT_MIN_ACCURACY = 0.40
+CONTROL_MAX_ACCURACY = 0.32
 
 
 @pytest.fixture(scope="module")
