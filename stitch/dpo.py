@@ -27,8 +27,7 @@ from stitch.checkpoint import (
 from stitch.evaluation import evaluate_accuracy, parse_answer
 from stitch.grpo import _logits_with
 from stitch.packing import Sample, collate_packs
-from stitch.provenance import check_warm_start
-from stitch.recipe import Recipe, RecipeError
+from stitch.recipe import Recipe, stage_options
 from stitch.scatter import PlaceholderCountError
 from stitch.tiny import answer_text
 from stitch.training import MetricsLog, audit_gradients, peak_memory_bytes, trainable_by_group
@@ -49,12 +48,7 @@ class DPOOptions:
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> DPOOptions:
-        raw = recipe.stage("dpo")
-        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise RecipeError(f"recipe {recipe.name!r}: unknown field 'stages.dpo.{unknown[0]}'; "
-                              f"known: {sorted(cls.__dataclass_fields__)}")
-        return cls(**raw)
+        return stage_options(cls, recipe, "dpo")
 
 
 def preference_pairs(rows: list[Any]) -> list[dict[str, Any]]:
@@ -130,20 +124,8 @@ def train_dpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps:
     out_dir = Path(out_dir)
     stage_dir = out_dir / "dpo"
     ckpt_root = stage_dir / "checkpoints"
-    donor = latest_step_dir(out_dir / "sft" / "checkpoints")
-    if donor is None:
-        raise FileNotFoundError(f"dpo warm-starts from SFT, but {out_dir / 'sft' / 'checkpoints'} has no LATEST")
     session = StitchSession.open(recipe, out_dir)
-    lora = recipe.stage("sft").get("lora", {"r": 16, "alpha": 32})
-    check_warm_start(donor, {
-        "lora_r": int(lora.get("r", 16)), "lora_alpha": int(lora.get("alpha", 32)),
-        "target_modules": list(session.model_spec.lora_target_modules),
-        "base_model": session.model_spec.name,
-        "feature_width": session.encoder_spec.feature_width,
-        "tokens_per_item": session.encoder_spec.tokens_per_item,
-        "sentinel_ids": session.sentinel_ids.as_dict(),
-        "projector_type": recipe.projector,
-    })
+    donor = session.checked_sft_donor("dpo")
     torch.manual_seed(opts.seed)
     model = session.build_model(stage="dpo", adapter_from=donor / "adapter", projector_from=donor / "projector",
                                 train_projector=False)

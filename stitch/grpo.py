@@ -30,8 +30,7 @@ from stitch.checkpoint import (
 from stitch.engines import mask_suppressed
 from stitch.evaluation import evaluate_accuracy, parse_answer
 from stitch.packing import Sample, collate_packs
-from stitch.provenance import check_warm_start
-from stitch.recipe import Recipe, RecipeError
+from stitch.recipe import Recipe, RecipeError, stage_options
 from stitch.training import MetricsLog, audit_gradients, peak_memory_bytes, trainable_by_group
 
 
@@ -59,12 +58,7 @@ class GRPOOptions:
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> GRPOOptions:
-        raw = recipe.stage("grpo")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise RecipeError(f"recipe {recipe.name!r}: unknown field 'stages.grpo.{unknown[0]}'; known: {sorted(known)}")
-        opts = cls(**raw)
+        opts = stage_options(cls, recipe, "grpo")
         if opts.train_projector and opts.schedule != "constant":
             raise RecipeError(
                 f"recipe {recipe.name!r}: field 'stages.grpo.schedule': the trainable-projector variant needs a "
@@ -124,24 +118,9 @@ def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps
     out_dir = Path(out_dir)
     stage_dir = out_dir / "grpo"
     ckpt_root = stage_dir / "checkpoints"
-    donor = latest_step_dir(out_dir / "sft" / "checkpoints")
-    if donor is None:
-        raise FileNotFoundError(f"grpo warm-starts from SFT, but {out_dir / 'sft' / 'checkpoints'} has no LATEST; "
-                                f"run `stitch train sft` first")
     session = StitchSession.open(recipe, out_dir)
-    sft_lora = recipe.stage("sft").get("lora", {"r": 16, "alpha": 32})
-    lora = opts.lora or sft_lora
     # the gate runs before any model weights load
-    check_warm_start(donor, {
-        "lora_r": int(lora.get("r", 16)),
-        "lora_alpha": int(lora.get("alpha", 32)),
-        "target_modules": list(session.model_spec.lora_target_modules),
-        "base_model": session.model_spec.name,
-        "feature_width": session.encoder_spec.feature_width,
-        "tokens_per_item": session.encoder_spec.tokens_per_item,
-        "sentinel_ids": session.sentinel_ids.as_dict(),
-        "projector_type": recipe.projector,
-    })
+    donor = session.checked_sft_donor("grpo", opts.lora)
     torch.manual_seed(opts.seed)
     resume_dir = latest_step_dir(ckpt_root) if resume else None
     model = session.build_model(stage="grpo", adapter_from=donor / "adapter", projector_from=donor / "projector",

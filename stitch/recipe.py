@@ -444,3 +444,15 @@ def load_recipe(name_or_path: str | Path, host: Any = None) -> Recipe:
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe {str(path)!r} is not valid YAML: {exc}") from exc
     return parse_recipe(mapping, path=path, text=text)
+
+
+def stage_options(cls: type, recipe: Recipe, stage: str) -> Any:
+    """``cls(**recipe.stages[stage])`` for a dataclass of stage options; an unknown key is refused by name."""
+    raw = recipe.stage(stage)
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise RecipeError(
+            f"recipe {recipe.name!r}: unknown field 'stages.{stage}.{unknown[0]}'; known: {', '.join(sorted(known))}"
+        )
+    return cls(**raw)

@@ -11,7 +11,6 @@ from typing import Any
 from stitch.checkpoint import write_text_atomic
 from stitch.recipe import Recipe
 
-
 DEFAULT_STAGES = ("alignment", "sft", "grpo")
 
 
@@ -24,7 +23,6 @@ def run_chain(recipe: Recipe, out_dir: Path, *, stages: tuple[str, ...] = DEFAUL
     from stitch.plots import plot_run
     from stitch.prepare import prepare
     from stitch.training import train_stage
-
     from stitch.validate import validate_recipe
 
     validate_recipe(recipe)  # every stage's options, before any data or weights are touched

@@ -61,6 +61,35 @@ class StitchSession:
         pad = self.tokenizer.pad_token_id
         return pad if pad is not None else self.tokenizer.eos_token_id
 
+    # -- warm start --------------------------------------------------------------------------------
+    def checked_sft_donor(self, stage: str, lora: dict[str, Any] | None = None) -> Path:
+        """SFT's latest step, after the provenance gate (run before any model weights load).
+
+        ``lora`` is what this stage restates (rank, alpha); by default the recipe's SFT adapter settings.
+        """
+        from stitch.checkpoint import latest_step_dir
+        from stitch.provenance import check_warm_start
+        from stitch.training import StageOptions
+
+        donor = latest_step_dir(self.out_dir / "sft" / "checkpoints")
+        if donor is None:
+            raise FileNotFoundError(
+                f"{stage} warm-starts from SFT, but {self.out_dir / 'sft' / 'checkpoints'} has no LATEST; "
+                f"run `stitch train sft --recipe {self.recipe.name} --out {self.out_dir}` first"
+            )
+        lora = lora or StageOptions.from_recipe(self.recipe, "sft").lora
+        check_warm_start(donor, {
+            "lora_r": int(lora.get("r", 16)),
+            "lora_alpha": int(lora.get("alpha", 32)),
+            "target_modules": list(self.model_spec.lora_target_modules),
+            "base_model": self.model_spec.name,
+            "feature_width": self.encoder_spec.feature_width,
+            "tokens_per_item": self.encoder_spec.tokens_per_item,
+            "sentinel_ids": self.sentinel_ids.as_dict(),
+            "projector_type": self.recipe.projector,
+        })
+        return donor
+
     # -- samples -----------------------------------------------------------------------------------
     def make_sample(self, record: dict[str, Any]) -> Sample:
         from stitch.collator import tokenize_example

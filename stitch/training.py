@@ -21,7 +21,7 @@ import torch
 from stitch.checkpoint import latest_step_dir, load_step_state, save_step, write_text_atomic
 from stitch.distributed import DataParallel, launch_world_size, save_trainable_full
 from stitch.packing import PackedStream, collate_packs
-from stitch.recipe import Recipe, RecipeError
+from stitch.recipe import Recipe, RecipeError, stage_options
 
 TRAIN_STAGES = ("alignment", "sft")
 
@@ -54,14 +54,7 @@ class StageOptions:
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, stage: str) -> StageOptions:
-        raw = recipe.stage(stage)
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise RecipeError(
-                f"recipe {recipe.name!r}: unknown field 'stages.{stage}.{unknown[0]}'; known: {', '.join(sorted(known))}"
-            )
-        opts = cls(**raw)
+        opts = stage_options(cls, recipe, stage)
         for key in ("steps", "batch_size", "token_budget", "buffer_size", "save_every"):
             if not isinstance(getattr(opts, key), int) or getattr(opts, key) < 1:
                 raise RecipeError(

@@ -23,7 +23,7 @@ import json
 import os
 import random
 import tempfile
-from collections.abc import Sequence, Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
