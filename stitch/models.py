@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from stitch.specs import ModelSource, ModelSpec
+
+log = logging.getLogger("stitch")
 
 
 def load_tokenizer(spec: ModelSpec, source: ModelSource | None = None, trust_remote_code: bool = False) -> Any:
@@ -14,6 +17,22 @@ def load_tokenizer(spec: ModelSpec, source: ModelSource | None = None, trust_rem
 
     source = source or spec.source
     return AutoTokenizer.from_pretrained(**source.pretrained_kwargs(), trust_remote_code=trust_remote_code)
+
+
+def kernel_report(spec: ModelSpec) -> list[str]:
+    """What will run PyTorch reference code because a kernel the model plugin declares is unavailable."""
+    import importlib.util
+
+    if not spec.kernels:
+        return []
+    if not torch.cuda.is_available():
+        return [f"{spec.name}: no CUDA device, so {', '.join(sorted(spec.kernels))} kernels are not used; "
+                f"hybrid layers run the PyTorch reference"]
+    missing = {module: package for module, package in spec.kernels.items() if importlib.util.find_spec(module) is None}
+    if not missing:
+        return []
+    return [f"{spec.name}: {', '.join(sorted(missing))} not installed; its hybrid layers fall back to the PyTorch "
+            f"reference (several times slower, see BENCHMARKS.md). Install: pip install {' '.join(missing.values())}"]
 
 
 def load_model(
@@ -25,10 +44,15 @@ def load_model(
     """The base LM of ``spec``; weights come from safetensors only, remote code only when asked for."""
     source = source or spec.source
     if spec.load is not None:
-        return spec.load(spec, source, dtype, trust_remote_code)
-    import transformers
+        model = spec.load(spec, source, dtype, trust_remote_code)
+    else:
+        import transformers
 
-    cls = getattr(transformers, spec.architecture)
-    return cls.from_pretrained(
-        **source.pretrained_kwargs(), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
-    )
+        cls = getattr(transformers, spec.architecture)
+        model = cls.from_pretrained(
+            **source.pretrained_kwargs(), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+        )
+    for line in kernel_report(spec):
+        # said once at start-up: a hybrid model without its kernels is several times slower on a GPU
+        (log.warning if torch.cuda.is_available() else log.info)(line)
+    return model

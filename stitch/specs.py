@@ -107,6 +107,8 @@ class ModelSpec:
     state_dict_adapter: str | None = None
     supports_packing: bool = True
     packing_note: str = ""
+    # optional fused kernels: import name -> pip package; without them transformers runs PyTorch reference code
+    kernels: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
 
 

@@ -79,6 +79,7 @@ def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, d
         lora_exclusions=LIGHTNING_EXCLUSIONS if moe else NANO_EXCLUSIONS,
         load=load_nemotron_h,
         supports_packing=False,
+        kernels={"mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"},
         packing_note=PACKING_NOTE,
         description=description,
     )

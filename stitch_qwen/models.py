@@ -128,6 +128,7 @@ def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, descriptio
         state_dict_adapter=VLM_TO_TEXT.name,
         supports_packing=False,
         packing_note=PACKING_NOTE,
+        kernels=GDN_KERNELS,
         description=f"{description} {HOW_TO_LOAD_VLM}",
     )
 
@@ -145,9 +146,13 @@ def qwen_moe_spec(name: str, source: ModelSource, hidden_size: int, description:
         state_dict_adapter=VLM_TO_TEXT.name,
         supports_packing=False,
         packing_note=PACKING_NOTE,
+        kernels=GDN_KERNELS,
         description=f"{description} {HOW_TO_LOAD_VLM}",
     )
 
+
+# Gated DeltaNet's fused path (transformers picks it up when importable); needs Triton >= 3.7.1 on Hopper
+GDN_KERNELS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
 
 DEMO_PACKING_NOTE = (
     "full-attention layers only: packed rows get a block-causal mask from position-id resets "

@@ -1,0 +1,27 @@
+"""Start-up kernel report: a hybrid model without its fused kernels is named, with what to install."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from stitch.models import kernel_report
+from stitch.plugins import load_plugins
+
+
+@pytest.mark.parametrize("name,package", [("qwen3.5-4b", "flash-linear-attention"), ("nemotron-3-nano-4b", "mamba-ssm")])
+def test_missing_kernels_on_a_gpu_are_reported_with_the_package_to_install(monkeypatch, name, package):
+    spec = load_plugins().get("models", name)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda module: None)
+    (line,) = kernel_report(spec)
+    assert name in line and package in line and "PyTorch reference" in line
+
+
+def test_installed_kernels_and_attention_only_models_report_nothing(monkeypatch):
+    host = load_plugins()
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda module: object())
+    assert kernel_report(host.get("models", "qwen3.5-4b")) == []
+    assert kernel_report(host.get("models", "qwen3.5-demo")) == []
