@@ -10,6 +10,7 @@ normalised by the global label-token count, so the gradient is the one-process g
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from collections.abc import Iterator
@@ -37,7 +38,6 @@ class DataParallel:
     rank: int = 0
     world_size: int = 1
     device: str | None = None  # None: the session's default (cuda if present, else cpu)
-    owns_group: bool = False
 
     @property
     def active(self) -> bool:
@@ -49,7 +49,10 @@ class DataParallel:
 
     @classmethod
     def from_env(cls) -> DataParallel:
-        """Join torchrun's process group (nccl on GPUs, gloo on CPU); a no-op outside torchrun."""
+        """Join torchrun's process group (nccl on GPUs, gloo on CPU); a no-op outside torchrun.
+
+        The group is made once per process and kept for later stages (destroyed at exit): re-creating the
+        default group under torchrun reuses the same store keys, and a rank that re-joins early hangs."""
         world = launch_world_size()
         if world <= 1:
             return cls()
@@ -61,24 +64,16 @@ class DataParallel:
             device, backend = f"cuda:{local_rank}", "nccl"
         else:
             device, backend = "cpu", "gloo"
-        owns = not dist.is_initialized()
-        if owns:
+        if not dist.is_initialized():
             dist.init_process_group(backend=backend, device_id=torch.device(device) if backend == "nccl" else None)
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, owns_group=owns)
+            atexit.register(_leave_group)
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
 
     def barrier(self) -> None:
         if self.active:
             import torch.distributed as dist
 
             dist.barrier()
-
-    def close(self) -> None:
-        """Leave the group (no barrier: after a failure on one rank the others may sit in a collective)."""
-        if self.owns_group:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-            self.owns_group = False
 
     # -- model -------------------------------------------------------------------------------------
     def shard(self, model: nn.Module) -> nn.Module:
@@ -202,6 +197,13 @@ class DataParallel:
                         param.device_mesh, param.placements,
                     )
         optimizer.load_state_dict(state)
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:

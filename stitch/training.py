@@ -113,7 +113,9 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        # a run that stopped at ``step`` (--max-steps) logged its final evaluation there; the resumed run logs its own
+        keep = [line for line in self.path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= step and not json.loads(line).get("final")]
         write_text_atomic(self.path, "".join(line + "\n" for line in keep))
 
     def reset(self) -> None:
@@ -176,10 +178,9 @@ def train_stage(
         raise ValueError(f"train_stage runs {TRAIN_STAGES}, not {stage!r}")
     check_launch(recipe, stage, StageOptions.from_recipe(recipe, stage), launch_world_size())
     dp = DataParallel.from_env()
-    try:
-        return _train_stage(recipe, stage, out_dir, dp, resume=resume, max_steps=max_steps, progress=progress)
-    finally:
-        dp.close()
+    summary = _train_stage(recipe, stage, out_dir, dp, resume=resume, max_steps=max_steps, progress=progress)
+    dp.barrier()  # every rank has finished the stage (and rank 0 its files) before any rank moves on
+    return summary
 
 
 def _train_stage(

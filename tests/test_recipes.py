@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from stitch_testing import write_recipe
 
 from stitch.plugins import load_plugins
 from stitch.recipe import RecipeError, load_recipe
 from stitch.validate import validate_recipe
-from stitch_testing import write_recipe
 
 RUN_BY_TESTS = {"demo": "tests/test_demo_chain.py runs `stitch run demo` end to end"}
 NOT_RUN = {
