@@ -1,5 +1,5 @@
 """``python -m stitch`` runs the CLI."""
 
-from stitch.cli import app
+from stitch.cli import main
 
-app()
+main()

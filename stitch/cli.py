@@ -288,5 +288,17 @@ def prepare(
         )
 
 
-def main() -> None:  # pragma: no cover - console entry point
-    app()
+def main() -> None:
+    """Console entry point: a user-facing error prints one clear line (STITCH_DEBUG=1 shows the traceback)."""
+    import os
+    import sys
+
+    from stitch.plugins import PluginError, RegistryLookupError
+
+    try:
+        app()
+    except (ValueError, FileNotFoundError, PluginError, RegistryLookupError) as exc:
+        if os.environ.get("STITCH_DEBUG"):
+            raise
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        sys.exit(2)

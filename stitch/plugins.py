@@ -41,7 +41,7 @@ KINDS: dict[str, tuple[str, type, str]] = {
 FIRST_PARTY: dict[str, dict[str, str]] = {
     "stitch-clip": {"encoders": "clip-vit-base-patch32 clip-tiny", "rollout_payloads": "clip_image"},
     "stitch-qwen": {
-        "models": "qwen3.5-4b qwen3.6-35b-a3b qwen3.5-tiny qwen3.5-moe-tiny",
+        "models": "qwen3.5-4b qwen3.6-35b-a3b qwen3.5-tiny qwen3.5-moe-tiny qwen3.5-demo",
         "token_sentinels": "qwen3.5",
         "recipes": "qwen3.5-4b qwen3.6-35b-a3b",
     },

@@ -236,3 +236,11 @@ def test_cli_with_only_qwen_enabled_lists_only_qwen_and_clip_lookup_names_the_pl
     code = "from stitch.plugins import get_host; get_host().get('encoders', 'clip-vit-base-patch32')"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert res.returncode != 0 and "stitch-clip" in res.stderr and "pip install" in res.stderr
+
+
+def test_cli_user_error_is_one_clear_line_on_stderr_with_exit_code_2(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "stitch", "train", "sft", "--recipe", str(tmp_path / "missing.yaml")],
+                         capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "missing.yaml" in res.stderr and "does not exist" in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
