@@ -12,6 +12,7 @@ import json
 import random
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ class GRPOOptions:
     updates_per_batch: int = 1
     train_projector: bool = False
     engine: str = "embedded"
+    placement: str = "colocated"  # or "ray": rollout replicas as Ray actors (stitch.ray_rollout)
     partition: str = "grpo"
     eval_partition: str | None = "eval"
     eval_rows: int = 64
@@ -67,6 +69,9 @@ class GRPOOptions:
         if opts.schedule not in ("constant", "cosine"):
             raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.schedule': expected constant or cosine, "
                               f"got {opts.schedule!r}")
+        if opts.placement not in ("colocated", "ray"):
+            raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.placement': expected colocated or ray, "
+                              f"got {opts.placement!r}")
         if opts.group_size < 2:
             raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.group_size': expected at least 2 "
                               f"(advantages are normalised within a group), got {opts.group_size}")
@@ -110,6 +115,12 @@ def projector_drift(projector: torch.nn.Module, anchor: dict[str, torch.Tensor])
 
 def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps: int | None = None,
                progress: bool = True) -> dict[str, Any]:
+    with ExitStack() as cleanup:  # closes Ray-placed rollout workers at the end and on error
+        return _train_grpo(recipe, out_dir, cleanup, resume=resume, max_steps=max_steps, progress=progress)
+
+
+def _train_grpo(recipe: Recipe, out_dir: Path, cleanup: ExitStack, *, resume: bool, max_steps: int | None,
+                progress: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from stitch.session import StitchSession
@@ -136,8 +147,7 @@ def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps
         groups.append({"params": list(model.projector.parameters()), "lr": opts.lr_projector, "name": "projector"})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     sentinels = list(session.sentinel_ids.as_dict().values())
-    engine = session.host.get("rollout_engines", opts.engine).factory(
-        model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id, suppress_ids=sentinels)
+    engine_spec = session.host.get("rollout_engines", opts.engine)
     rows = list(session.data.rows(opts.partition))
     rows = [r for r in rows if parse_answer(r.answer) is not None]
     if not rows:
@@ -153,6 +163,17 @@ def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps
         metrics.truncate_after(step)
     else:
         metrics.reset()
+    # built after a resume has restored the adapter: engines holding their own weights start from the live policy
+    if opts.placement == "ray":
+        from stitch.ray_rollout import RayRolloutEngine
+
+        engine = RayRolloutEngine.for_recipe(
+            recipe, model.lm, engine=opts.engine, model=session.model_spec.name, pad_id=session.pad_id,
+            eos_id=session.tokenizer.eos_token_id, suppress_ids=sentinels, seed=opts.seed)
+        cleanup.callback(engine.close)
+    else:
+        engine = engine_spec.factory(model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id,
+                                     suppress_ids=sentinels)
     start_accuracy = None
     if opts.eval_partition and step == 0:
         start_accuracy = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
@@ -234,6 +255,7 @@ def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps
         "stage": "grpo",
         "steps": step,
         "engine": opts.engine,
+        "placement": opts.placement,
         "donor": str(donor),
         "reward_start": sum(r["reward"] for r in history[:k]) / k if history else None,
         "reward_end": sum(r["reward"] for r in history[-k:]) / k if history else None,

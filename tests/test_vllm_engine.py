@@ -173,10 +173,11 @@ def test_grpo_with_the_vllm_engine_trains_and_reports_parity_with_the_training_f
     import json
     import shutil
 
+    from stitch_testing import write_recipe
+
     from stitch.grpo import train_grpo
     from stitch.recipe import load_recipe
     from stitch.training import train_stage
-    from stitch_testing import write_recipe
 
     run = tmp_path / "run"
     shutil.copytree(prepared / "run" / "data", run / "data")
