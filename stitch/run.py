@@ -32,7 +32,7 @@ def run_chain(recipe: Recipe, out_dir: Path, *, stages: tuple[str, ...] = DEFAUL
     t0 = time.perf_counter()
     t = time.perf_counter()
     report = prepare(recipe, out_dir / "data", progress=progress)
-    summary["stages"]["prepare"] = {"seconds": round(time.perf_counter() - t, 2), **_jsonable(report)}
+    summary["stages"]["prepare"] = {**_jsonable(report), "seconds": round(time.perf_counter() - t, 2)}
     runners = {
         "alignment": lambda: train_stage(recipe, "alignment", out_dir, progress=progress),
         "sft": lambda: train_stage(recipe, "sft", out_dir, progress=progress),
