@@ -456,3 +456,14 @@ def stage_options(cls: type, recipe: Recipe, stage: str) -> Any:
             f"recipe {recipe.name!r}: unknown field 'stages.{stage}.{unknown[0]}'; known: {', '.join(sorted(known))}"
         )
     return cls(**raw)
+
+
+def shipped_recipes(directory: Path) -> list[Any]:
+    """A ``RecipeSpec`` for every ``*.yaml`` in ``directory`` (a plugin's recipes), described by the file's
+    first comment line."""
+    from stitch.specs import RecipeSpec
+
+    return [
+        RecipeSpec(path.stem, path, path.read_text().splitlines()[0].lstrip("# "))
+        for path in sorted(Path(directory).glob("*.yaml"))
+    ]

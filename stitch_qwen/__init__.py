@@ -35,7 +35,7 @@ def register_state_dict_adapters(register):
 def register_recipes(register):
     from pathlib import Path
 
-    from stitch.specs import RecipeSpec
+    from stitch.recipe import shipped_recipes
 
-    for path in sorted((Path(__file__).parent / "recipes").glob("*.yaml")):
-        register(RecipeSpec(path.stem, path, path.read_text().splitlines()[0].lstrip("# ")))
+    for spec in shipped_recipes(Path(__file__).parent / "recipes"):
+        register(spec)
