@@ -52,6 +52,13 @@ def load_model(
         model = cls.from_pretrained(
             **source.pretrained_kwargs(), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
         )
+    # every projector for this model is built to the declared width: refuse a checkpoint that differs
+    actual = model.config.get_text_config().hidden_size
+    if actual != spec.hidden_size:
+        raise ValueError(
+            f"model {spec.name!r} declares hidden_size={spec.hidden_size} but {source.describe()} has "
+            f"hidden_size={actual}; fix the ModelSpec (projectors are built to the declared width)"
+        )
     for line in kernel_report(spec):
         # said once at start-up: a hybrid model without its kernels is several times slower on a GPU
         (log.warning if torch.cuda.is_available() else log.info)(line)

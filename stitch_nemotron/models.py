@@ -48,16 +48,6 @@ PACKING_NOTE = (
 )
 
 
-def check_hidden_size(spec: ModelSpec, model: Any, source: ModelSource) -> Any:
-    """Refuse a checkpoint whose hidden width is not the one the spec (and every projector for it) declares."""
-    if model.config.hidden_size != spec.hidden_size:
-        raise ValueError(
-            f"model {spec.name!r} declares hidden_size={spec.hidden_size} but {source.describe()} has "
-            f"hidden_size={model.config.hidden_size}; fix the ModelSpec (projectors are built to the declared width)"
-        )
-    return model
-
-
 def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
     """stitch's NemotronHForCausalLM (``generate(inputs_embeds=...)`` works) from safetensors via from_pretrained."""
     from stitch_nemotron.generation import NemotronHForCausalLM
@@ -65,7 +55,7 @@ def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, tr
     model = NemotronHForCausalLM.from_pretrained(
         **source.pretrained_kwargs(), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
     )
-    return check_hidden_size(spec, model, source)
+    return model
 
 
 def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, description: str) -> ModelSpec:
