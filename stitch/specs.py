@@ -107,9 +107,15 @@ class ModelSpec:
     state_dict_adapter: str | None = None
     supports_packing: bool = True
     packing_note: str = ""
+    # packing also holds while this returns True (e.g. kernels that keep sample boundaries are installed)
+    packing_when: Callable[[], bool] | None = None
     # optional fused kernels: import name -> pip package; without them transformers runs PyTorch reference code
     kernels: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
+
+    def packs(self) -> bool:
+        """Whether training packs samples for this model on this machine (see ``packing_note`` when not)."""
+        return self.supports_packing or (self.packing_when is not None and bool(self.packing_when()))
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,7 @@ def _train_stage(
     optimizer = torch.optim.AdamW(groups, weight_decay=opts.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(opts))
 
-    packed = opts.packing and session.model_spec.supports_packing
+    packed = opts.packing and session.model_spec.packs()
     stream = PackedStream(
         session.manifest_path,
         session.make_sample,

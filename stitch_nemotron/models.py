@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from typing import Any
 
 import torch
 
 from stitch.specs import ModelSource, ModelSpec
+from stitch_nemotron.kernels import FLA, fla_kernels_importable, install_mamba2_kernels, varlen_kernels_ready
 from stitch_nemotron.sentinels import SENTINELS
 from stitch_nemotron.tiny import TINY_HIDDEN, build_lightning_tiny, build_nano_tiny
 
@@ -40,12 +43,32 @@ LIGHTNING_EXCLUSIONS: dict[str, str] = {
     "train/rollout routing parity and expert load mid-RL; it is a bare Parameter, not an nn.Linear",
 }
 
+log = logging.getLogger("stitch")
+
 PACKING_NOTE = (
-    "Unpacked: NemotronH derives no sample boundaries from position_ids and has no seq_idx / cu_seqlens argument "
-    "(one smuggled through **kwargs reaches only the mamba_ssm / causal-conv1d kernels; the PyTorch scan and conv "
-    "drop it), so the Mamba-2 SSM state and its conv window run from one packed sample into the next. Only the "
-    "attention blocks would honor reset position_ids (with use_cache=False and no attention_mask)."
+    "Packed only on a CUDA device with flash-linear-attention installed: stitch then runs the Mamba-2 mixers on "
+    "fla's varlen kernels fed the sample starts (stitch_nemotron/kernels.py). Otherwise unpacked: NemotronH "
+    "derives no sample boundaries from position_ids and has no seq_idx / cu_seqlens argument (one smuggled "
+    "through **kwargs reaches only the mamba_ssm / causal-conv1d kernels; the PyTorch scan and conv drop it), so "
+    "the Mamba-2 SSM state and its conv window run from one packed sample into the next. Only the attention "
+    "blocks would honor reset position_ids (with use_cache=False and no attention_mask)."
 )
+
+
+def use_mamba2_kernels(model: Any, name: str) -> bool:
+    """On a GPU with flash-linear-attention, run the Mamba-2 mixers on its kernels with sample boundaries."""
+    if not torch.cuda.is_available():
+        return False
+    why_not = fla_kernels_importable()
+    if why_not is not None:
+        if importlib.util.find_spec("fla") is not None:  # installed but broken: say why (absent: kernel_report)
+            log.warning("%s: %s; Mamba-2 mixers fall back to the PyTorch reference", name, why_not)
+        return False
+    swapped = install_mamba2_kernels(model, FLA)
+    model.stitch_varlen = True
+    log.info("%s: %d Mamba-2 mixers run on flash-linear-attention kernels, packed with sample boundaries", name,
+             swapped)
+    return True
 
 
 def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
@@ -55,6 +78,7 @@ def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, tr
     model = NemotronHForCausalLM.from_pretrained(
         **source.pretrained_kwargs(), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
     )
+    use_mamba2_kernels(model, spec.name)
     return model
 
 
@@ -69,7 +93,8 @@ def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, d
         lora_exclusions=LIGHTNING_EXCLUSIONS if moe else NANO_EXCLUSIONS,
         load=load_nemotron_h,
         supports_packing=False,
-        kernels={"mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"},
+        packing_when=varlen_kernels_ready,
+        kernels={"fla": "flash-linear-attention"},
         packing_note=PACKING_NOTE,
         description=description,
     )

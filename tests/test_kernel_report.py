@@ -10,7 +10,7 @@ from stitch.models import kernel_report
 from stitch.plugins import load_plugins
 
 
-@pytest.mark.parametrize("name,package", [("qwen3.5-4b", "flash-linear-attention"), ("nemotron-3-nano-4b", "mamba-ssm")])
+@pytest.mark.parametrize("name,package", [("qwen3.5-4b", "flash-linear-attention"), ("nemotron-3-nano-4b", "flash-linear-attention")])
 def test_missing_kernels_on_a_gpu_are_reported_with_the_package_to_install(monkeypatch, name, package):
     spec = load_plugins().get("models", name)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)

@@ -1,0 +1,188 @@
+"""Nemotron-H's Mamba-2 mixer on flash-linear-attention's Triton kernels, with sample boundaries.
+
+Why: transformers runs the Mamba-2 scan on ``mamba_ssm`` + ``causal_conv1d`` CUDA builds or else on a PyTorch
+reference that is several times slower and, at 4,096 tokens on a 4B shape, asks for 28–42 GiB blocks (see
+BENCHMARKS.md). Neither CUDA package has a wheel for this stack. Mamba-2's state-space dual is exactly simple
+gated linear attention with one scalar decay per head::
+
+    h_t = exp(dt_t * A) h_{t-1} + (dt_t x_t) B_t^T        (state [head_dim, state_size] per head)
+    y_t = h_t C_t + D x_t
+
+so ``fla.ops.simple_gla.chunk_simple_gla`` with q = C, k = B, v = dt * x, g = dt * A, scale 1 computes the scan,
+and ``fla.modules.causal_conv1d`` the depthwise convolution. Both take ``cu_seqlens``, so packed rows keep each
+sample's state and conv window to itself, which the stock PyTorch path cannot do.
+
+The same math runs on a PyTorch ``reference`` backend (per segment, quadratic in its length); the tests check it
+against the stock mixer and against unpacked samples, and the GPU benchmark checks the fla backend against it.
+Generation (any call with a cache) keeps the stock forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FLA = "fla"
+REFERENCE = "reference"
+
+
+@functools.cache
+def fla_kernels_importable() -> str | None:
+    """None when fla's simple-GLA and causal-conv kernels import, else why not (one line)."""
+    if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention is not installed"
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
+        from fla.ops.simple_gla import chunk_simple_gla  # noqa: F401
+    except Exception as exc:  # an import-time failure (e.g. Triton too old) is reported, not raised
+        return f"flash-linear-attention does not import: {type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def varlen_kernels_ready() -> bool:
+    """True when packed Nemotron-H rows can run with sample boundaries: a CUDA device and fla's kernels."""
+    return torch.cuda.is_available() and fla_kernels_importable() is None
+
+
+def cu_seqlens_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Sample starts of the flattened batch (every position id 0 starts one; every row starts with 0) + the end."""
+    flat = position_ids.reshape(-1)
+    if flat.numel() and int(flat[0]) != 0:
+        raise ValueError(f"packed rows must start a sample at position 0, got position id {int(flat[0])}")
+    starts = (flat == 0).nonzero().squeeze(-1)
+    end = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+# -- backends: conv(x [1|B, T, D], weight [D, W], bias, activation, cu_seqlens) -> [.., T, D]
+#              scan(q, k [.., T, H, N], v [.., T, H, P], g [.., T, H] fp32, cu_seqlens) -> [.., T, H, P] -----------
+
+
+def _segments(total: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
+    if cu_seqlens is None:
+        return [(0, total)]
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def reference_conv(x, weight, bias, activation, cu_seqlens):
+    out = torch.empty_like(x)
+    for s, e in _segments(x.shape[1], cu_seqlens):
+        seg = x[:, s:e].transpose(1, 2).to(weight.dtype)
+        y = F.conv1d(seg, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=seg.shape[1])
+        y = y[:, :, : e - s]
+        if activation in ("silu", "swish"):
+            y = F.silu(y)
+        elif activation is not None:
+            raise ValueError(f"conv activation {activation!r}: expected 'silu', 'swish' or None")
+        out[:, s:e] = y.transpose(1, 2).to(x.dtype)
+    return out
+
+
+def reference_scan(q, k, v, g, cu_seqlens):
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for s, e in _segments(v.shape[1], cu_seqlens):
+        cum = g[:, s:e].float().cumsum(1)  # [B, L, H]
+        diff = cum[:, :, None, :] - cum[:, None, :, :]  # [B, i, j, H]
+        causal = torch.ones(e - s, e - s, dtype=torch.bool, device=v.device).tril()[None, :, :, None]
+        decay = torch.exp(diff.masked_fill(~causal, float("-inf")))
+        scores = torch.einsum("bihn,bjhn->bijh", q[:, s:e].float(), k[:, s:e].float()) * decay
+        out[:, s:e] = torch.einsum("bijh,bjhp->bihp", scores, v[:, s:e].float())
+    return out
+
+
+def fla_conv(x, weight, bias, activation, cu_seqlens):
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    y, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens)
+    return y
+
+
+def fla_scan(q, k, v, g, cu_seqlens):
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    o, _ = chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+    return o
+
+
+BACKENDS: dict[str, tuple[Callable, Callable]] = {
+    REFERENCE: (reference_conv, reference_scan),
+    FLA: (fla_conv, fla_scan),
+}
+
+
+def mamba2_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   cu_seqlens: torch.Tensor | None = None, backend: str = FLA) -> torch.Tensor:
+    """A NemotronH Mamba-2 mixer's no-cache forward; ``cu_seqlens`` (over the flattened batch) keeps samples apart."""
+    conv, scan = BACKENDS[backend]
+    batch, seqlen, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
+    if attention_mask is not None and attention_mask.dim() == 2:  # right padding: zero it as the stock path does
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(dtype)
+    projected = mixer.in_proj(hidden_states)
+    gate, xbc, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, heads], dim=-1)
+    if cu_seqlens is not None and batch > 1:  # fla's varlen kernels take one flattened row
+        xbc = xbc.reshape(1, batch * seqlen, -1)
+    xbc = conv(xbc.contiguous(), mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation, cu_seqlens)
+    xbc = xbc.reshape(batch, seqlen, -1)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        xbc = (xbc * attention_mask[:, :, None]).to(dtype)
+    x, b, c = xbc.split([mixer.intermediate_size, groups * state, groups * state], dim=-1)
+    lo, hi = mixer.time_step_limit
+    dt = F.softplus(dt.float() + mixer.dt_bias.float()).clamp(min=lo, max=hi)  # [B, T, H]
+    g = dt * -torch.exp(mixer.A_log.float())  # log decay per head and step, <= 0
+    x = x.reshape(batch, seqlen, heads, head_dim)
+    b = b.reshape(batch, seqlen, groups, state).repeat_interleave(heads // groups, dim=2)
+    c = c.reshape(batch, seqlen, groups, state).repeat_interleave(heads // groups, dim=2)
+    v = (x.float() * dt[..., None]).to(x.dtype)
+    shape = (1, batch * seqlen) if cu_seqlens is not None else (batch, seqlen)
+    y = scan(c.reshape(*shape, heads, state), b.reshape(*shape, heads, state), v.reshape(*shape, heads, head_dim),
+             g.reshape(*shape, heads), cu_seqlens)
+    y = y.reshape(batch, seqlen, heads, head_dim).float() + mixer.D.float()[:, None] * x.float()
+    y = mixer.norm(y.reshape(batch, seqlen, -1), gate)
+    return mixer.out_proj(y.to(dtype))
+
+
+@functools.cache
+def _mixer_class():
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    class KernelMamba2Mixer(NemotronHMamba2Mixer):
+        """The stock mixer; without a cache its forward runs ``mamba2_forward`` on ``stitch_backend``."""
+
+        stitch_backend = FLA
+
+        def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+            cu_seqlens = kwargs.get("cu_seq_lens_q")
+            backend = self.stitch_backend
+            if backend == FLA and not hidden_states.is_cuda:  # fla's kernels are Triton/CUDA only
+                backend = REFERENCE if cu_seqlens is not None else None
+            if cache_params is not None or backend is None:
+                return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask,
+                                       **kwargs)
+            return mamba2_forward(self, hidden_states, attention_mask, cu_seqlens, backend=backend)
+
+    return KernelMamba2Mixer
+
+
+def install_mamba2_kernels(model: torch.nn.Module, backend: str = FLA) -> int:
+    """Swap every Mamba-2 mixer of ``model`` to the kernel forward; returns how many were swapped."""
+    if backend not in BACKENDS:
+        raise ValueError(f"Mamba-2 backend {backend!r}: expected one of {sorted(BACKENDS)}")
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    cls = _mixer_class()
+    swapped = 0
+    for module in model.modules():
+        if isinstance(module, NemotronHMamba2Mixer):
+            if not isinstance(module, cls):
+                module.__class__ = cls
+            module.stitch_backend = backend
+            swapped += 1
+    return swapped

@@ -1,0 +1,140 @@
+"""stitch-nemotron's boundary-aware Mamba-2 mixer: the same math as transformers' mixer, samples kept apart.
+
+On CPU the ``reference`` backend runs the math that the ``fla`` backend runs on a GPU; the GPU test compares the
+two (skipped without CUDA and flash-linear-attention; run on the GPU machine, see BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stitch.packing import Sample, collate_packs
+from stitch.plugins import load_plugins
+from stitch_nemotron import kernels
+from stitch_nemotron.generation import NemotronHForCausalLM
+from stitch_nemotron.kernels import FLA, REFERENCE, cu_seqlens_from_positions, install_mamba2_kernels, mamba2_forward
+
+
+def tiny_model(pattern: str = "M-*M", groups: int = 2, chunk: int = 8) -> NemotronHForCausalLM:
+    from transformers import NemotronHConfig
+
+    cfg = NemotronHConfig(
+        vocab_size=97, hidden_size=48, hybrid_override_pattern=pattern, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, intermediate_size=64, mamba_num_heads=6, mamba_head_dim=8, ssm_state_size=5, n_groups=groups,
+        chunk_size=chunk, conv_kernel=4, max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    with torch.no_grad():  # decays and skips that differ per head, so a wrong head/group mapping shows
+        for mixer in mixers(model):  # and projections large enough that the scan, not the D skip, dominates
+            mixer.in_proj.weight.normal_(0.0, 0.3)
+            mixer.A_log.copy_(torch.linspace(-1.0, 1.5, mixer.num_heads))
+            mixer.dt_bias.copy_(torch.linspace(-2.0, 0.5, mixer.num_heads))
+            mixer.D.copy_(torch.linspace(0.5, 1.5, mixer.num_heads))
+    return model
+
+
+def mixers(model):
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    return [m for m in model.modules() if isinstance(m, NemotronHMamba2Mixer)]
+
+
+def test_reference_backend_equals_transformers_mixer_on_a_right_padded_batch():
+    mixer = mixers(tiny_model())[0]
+    torch.manual_seed(1)
+    x = torch.randn(3, 21, 48)
+    mask = torch.ones(3, 21, dtype=torch.long)
+    mask[1, 15:] = 0
+    mask[2, 6:] = 0
+    with torch.no_grad():
+        stock = mixer(x, attention_mask=mask)
+        ours = mamba2_forward(mixer, x, mask, backend=REFERENCE)
+    valid = mask.bool()
+    assert (ours[valid] - stock[valid]).abs().max() < 1e-5
+
+
+def test_packed_row_with_sample_starts_equals_each_sample_alone_while_the_stock_mixer_leaks():
+    mixer = mixers(tiny_model())[0]
+    torch.manual_seed(2)
+    lengths = [7, 11, 3, 9]  # 7 < conv window + chunk: the conv and the scan state would both leak
+    parts = [torch.randn(1, n, 48) for n in lengths]
+    row = torch.cat(parts, dim=1)
+    cu = torch.tensor([0, 7, 18, 21, 30], dtype=torch.int32)
+    with torch.no_grad():
+        alone = torch.cat([mixer(p) for p in parts], dim=1)
+        packed = mamba2_forward(mixer, row, None, cu, backend=REFERENCE)
+        leaky = mixer(row)
+    assert (packed - alone).abs().max() < 1e-5
+    assert (leaky[:, 7:] - alone[:, 7:]).abs().max() > 1e-3  # the control: without starts, state crosses over
+
+
+def test_sample_starts_come_from_position_id_resets_across_rows():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    assert cu_seqlens_from_positions(pos).tolist() == [0, 3, 5, 6, 10, 12]
+    with pytest.raises(ValueError, match="position 0"):
+        cu_seqlens_from_positions(torch.tensor([[1, 2, 0]]))
+
+
+def test_packed_model_with_kernel_mixers_equals_unpacked_samples_through_the_stock_model():
+    stock = tiny_model("M*-M")
+    swapped = tiny_model("M*-M")
+    assert install_mamba2_kernels(swapped, REFERENCE) == 2
+    swapped.stitch_varlen = True
+    samples = [Sample(f"r{i}", ids, ids, torch.empty(0)) for i, ids in
+               enumerate([[5, 9, 14, 22, 31], [40, 41, 7, 66, 80, 12, 3, 3, 19], [8, 2, 60]])]
+    batch = collate_packs([samples[:2], samples[2:]], pad_id=0, packed=True)
+    with torch.no_grad():
+        packed = swapped(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        alone = [stock(input_ids=torch.tensor([s.input_ids])).logits[0] for s in samples]
+        # the swapped mixers without the starts behave like the stock ones (leak), so the starts did the work
+        swapped.stitch_varlen = False
+        leaky = swapped(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    assert (packed[0, :5] - alone[0]).abs().max() < 1e-4
+    assert (packed[0, 5:14] - alone[1]).abs().max() < 1e-4
+    assert (packed[1, :3] - alone[2]).abs().max() < 1e-4
+    assert (leaky[0, 5:14] - alone[1]).abs().max() > 1e-3
+
+
+def test_generation_with_kernel_mixers_keeps_the_stock_cached_path():
+    stock = tiny_model()
+    swapped = tiny_model()
+    install_mamba2_kernels(swapped, FLA)  # on CPU with a cache the stock forward runs, so this works here
+    swapped.stitch_varlen = True
+    prompt = torch.tensor([[3, 14, 15, 9, 2, 6]])
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert swapped.generate(prompt, **kwargs).tolist() == stock.generate(prompt, **kwargs).tolist()
+
+
+def test_nemotron_packs_only_where_the_varlen_kernels_run(monkeypatch):
+    spec = load_plugins().get("models", "nemotron-3-nano-4b")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr(kernels, "fla_kernels_importable", lambda: None)
+    assert spec.supports_packing is False and spec.packs() is False
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert spec.packs() is True
+    monkeypatch.setattr(kernels, "fla_kernels_importable", lambda: "flash-linear-attention is not installed")
+    assert spec.packs() is False
+    assert "flash-linear-attention" in spec.packing_note
+
+
+def test_unknown_backend_is_refused_by_name():
+    with pytest.raises(ValueError, match="'triton'"):
+        install_mamba2_kernels(tiny_model(), "triton")
+
+
+@pytest.mark.skipif(not kernels.varlen_kernels_ready(), reason="needs a CUDA device and flash-linear-attention")
+def test_fla_backend_matches_the_reference_on_a_gpu():
+    model = tiny_model(chunk=64).cuda()
+    mixer = mixers(model)[0]
+    torch.manual_seed(3)
+    row = torch.randn(1, 300, 48, device="cuda")
+    cu = torch.tensor([0, 40, 170, 171, 300], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        ref = mamba2_forward(mixer, row, None, cu, backend=REFERENCE)
+        fast = mamba2_forward(mixer, row, None, cu, backend=FLA)
+        ref_pad = mamba2_forward(mixer, row.expand(2, -1, -1).contiguous(), None, None, backend=REFERENCE)
+        fast_pad = mamba2_forward(mixer, row.expand(2, -1, -1).contiguous(), None, None, backend=FLA)
+    assert (fast - ref).abs().max() < 2e-3 * ref.abs().max()
+    assert (fast_pad - ref_pad).abs().max() < 2e-3 * ref_pad.abs().max()
