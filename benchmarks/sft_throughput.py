@@ -230,6 +230,11 @@ def build_stitched(shape: str, args, host, device):
     with torch.device(device):
         lm = cls._from_config(cfg, dtype=torch.bfloat16, attn_implementation=args.attn)
     lm.requires_grad_(False)
+    kernel_path = None
+    if shape == "nemotron4b":  # what load_nemotron_h does for a real checkpoint
+        from stitch_nemotron.models import use_mamba2_kernels
+
+        kernel_path = "fla (stitch_nemotron.kernels)" if use_mamba2_kernels(lm, spec_name) else "pytorch reference"
     n_matmul = matmul_params(lm)
     n_total = sum(p.numel() for p in lm.parameters())
     hidden = lm.config.get_text_config().hidden_size
@@ -258,7 +263,8 @@ def build_stitched(shape: str, args, host, device):
         "architecture": cls.__name__,
         "attn_implementation": lm.config._attn_implementation,
         "model_spec": spec_name,
-        "supports_packing": spec.supports_packing,
+        "supports_packing": spec.packs(),
+        "mamba2_path": kernel_path,
         "hidden_size": hidden,
         "num_layers": len(layer_kinds(cfg)),
         "layer_kinds": {k: layer_kinds(cfg).count(k) for k in sorted(set(layer_kinds(cfg)))},
@@ -290,6 +296,17 @@ def clip_tower(device, smoke: bool):
     torch.manual_seed(2)
     model = CLIPVisionModel._from_config(cfg, attn_implementation="sdpa")
     return model.to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
+
+
+def clip_features(clip, pixels: torch.Tensor, smoke: bool) -> torch.Tensor:
+    """stitch's features from the frozen tower: penultimate layer, patch tokens only ([n, 49, 768]).
+
+    The smoke tower sees 32 px images (one patch), so its one token is repeated to 49."""
+    with torch.no_grad():
+        hs = clip(pixel_values=pixels, output_hidden_states=True).hidden_states[-2][:, 1:]
+    if smoke:
+        hs = hs.repeat(1, IMAGE_TOKENS, 1)[:, :IMAGE_TOKENS]
+    return hs
 
 
 def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, info, device) -> dict:
@@ -337,11 +354,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         ):  # the encoder in the loop: raw pixels -> frozen tower -> penultimate patch tokens
             idx = torch.tensor([int(s.row_id[1:]) % pixels.shape[0] for s in group])
             pix = pixels[idx].to(device, non_blocking=True).to(torch.bfloat16)
-            with torch.no_grad():
-                hs = clip(pixel_values=pix, output_hidden_states=True).hidden_states[-2][:, 1:]
-            if args.smoke:
-                hs = hs.repeat(1, IMAGE_TOKENS, 1)[:, :IMAGE_TOKENS]
-            batch.features = hs
+            batch.features = clip_features(clip, pix, args.smoke)
         batch = batch.to(device)
         loss, n_labels = model.loss(batch)
         optimizer.zero_grad(set_to_none=True)
@@ -427,11 +440,31 @@ def profile_steps(one_step, steps: int, top: int = 30) -> dict:
     }
 
 
+def mamba2_parity(model) -> dict:
+    """fla backend vs the PyTorch reference on the first full-size Mamba-2 mixer, one packed row of 4 samples."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    from stitch_nemotron.kernels import FLA, REFERENCE, mamba2_forward
+
+    mixer = next(m for m in model.modules() if isinstance(m, NemotronHMamba2Mixer))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    row = torch.randn(1, 512, mixer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.tensor([0, 100, 101, 300, 512], device="cuda", dtype=torch.int32)
+    with torch.no_grad():
+        ref = mamba2_forward(mixer, row, None, cu, backend=REFERENCE).float()
+        fast = mamba2_forward(mixer, row, None, cu, backend=FLA).float()
+    err = (fast - ref).abs().max().item()
+    return {"max_abs_diff": err, "ref_max_abs": ref.abs().max().item(), "relative": err / ref.abs().max().item(),
+            "cosine": torch.nn.functional.cosine_similarity(fast.flatten(), ref.flatten(), dim=0).item()}
+
+
 def run_shape(shape: str, args, host, device, save=None) -> dict:
     log(f"== {shape}: building")
     t0 = time.perf_counter()
     model, optimizer, groups, ids, info = build_stitched(shape, args, host, device)
     info["build_s"] = round(time.perf_counter() - t0, 1)
+    if (info.get("mamba2_path") or "").startswith("fla"):
+        info["mamba2_parity"] = mamba2_parity(model)
     log(json.dumps(info))
     samples, pixels = make_samples(
         args.samples, info["vocab_size"], ids, args.text_min, args.text_max, 0, args.pixel_pool, args.smoke
@@ -457,8 +490,8 @@ def summarize(info: dict, modes: dict) -> dict:
     if not info["supports_packing"]:
         out["packed_note"] = (
             "'packed' is a throughput ceiling only for this model: its ModelSpec refuses packing "
-            "because the linear-attention / Mamba state and conv window run across sample "
-            "boundaries (no cu_seqlens reach the kernels). stitch ships 'cached_padded' here."
+            "on this machine because the linear-attention / Mamba state and conv window run across "
+            "sample boundaries (no cu_seqlens reach the kernels). stitch ships 'cached_padded' here."
         )
     if base:
         out["ratios_vs_baseline"] = {

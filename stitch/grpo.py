@@ -107,6 +107,18 @@ def _logits_with(model: Any, params: dict[str, torch.Tensor], batch: Any) -> tor
     return functional_call(model, params, (batch,), strict=False)
 
 
+def grpo_loss(lp: torch.Tensor, old_lp: torch.Tensor, ref_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+              clip_eps: float, kl_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate minus k3 KL to the reference, per-sequence token mean, batch mean; returns (loss, kl)."""
+    ratio = torch.exp(lp - old_lp)
+    a = adv.unsqueeze(1)
+    surrogate = torch.min(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
+    kl = torch.exp(ref_lp - lp) - (ref_lp - lp) - 1
+    per_token = -(surrogate - kl_beta * kl)
+    per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return per_seq.mean(), kl
+
+
 def projector_drift(projector: torch.nn.Module, anchor: dict[str, torch.Tensor]) -> float:
     num = sum(float((p.detach() - anchor[n]).pow(2).sum()) for n, p in projector.named_parameters())
     den = sum(float(anchor[n].pow(2).sum()) for n, _ in projector.named_parameters())
@@ -219,13 +231,7 @@ def _train_grpo(recipe: Recipe, out_dir: Path, cleanup: ExitStack, *, resume: bo
         model.train()
         for _ in range(opts.updates_per_batch):
             lp, _ = token_logprobs(model, batch, opts.temperature, suppress_ids=sentinels)
-            ratio = torch.exp(lp - old_lp)
-            a = adv.unsqueeze(1)
-            surrogate = torch.min(ratio * a, torch.clamp(ratio, 1 - opts.clip_eps, 1 + opts.clip_eps) * a)
-            kl = torch.exp(ref_lp - lp) - (ref_lp - lp) - 1
-            per_token = -(surrogate - opts.kl_beta * kl)
-            per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
-            loss = per_seq.mean()
+            loss, kl = grpo_loss(lp, old_lp, ref_lp, adv, mask, opts.clip_eps, opts.kl_beta)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             audit_gradients(model, allowed)

@@ -13,7 +13,13 @@ from stitch.packing import Sample, collate_packs
 from stitch.plugins import load_plugins
 from stitch_nemotron import kernels
 from stitch_nemotron.generation import NemotronHForCausalLM
-from stitch_nemotron.kernels import FLA, REFERENCE, cu_seqlens_from_positions, install_mamba2_kernels, mamba2_forward
+from stitch_nemotron.kernels import (
+    FLA,
+    REFERENCE,
+    cu_seqlens_from_positions,
+    install_mamba2_kernels,
+    mamba2_forward,
+)
 
 
 def tiny_model(pattern: str = "M-*M", groups: int = 2, chunk: int = 8) -> NemotronHForCausalLM:
