@@ -1,0 +1,399 @@
+"""GRPO step breakdown on a 4B architecture with the embedded rollout engine: seconds per part (rollout,
+log-probs, train, refit) and rollout tokens/s, stitch against an encoder-in-the-loop baseline measured in
+the same run (issue 7, part 3).
+
+One step mirrors ``stitch.grpo._train_grpo`` part for part, through stitch's own code: prompt embeddings from
+``StitchedModel.embed`` -> ``EmbeddedEngine.generate`` (``--prompts`` x ``--group`` sampled completions,
+sentinel ids suppressed) -> ``group_advantages`` -> ``Sample`` + ``collate_packs(packed=False)`` -> old and
+reference log-probs with ``token_logprobs`` (the reference through its ``params=`` substitution of frozen
+copies of the trainable parameters and the projector anchor) and the engine/trainer parity check -> the
+clipped surrogate + k3 KL loss, grad clipping and AdamW (``GRPOOptions`` defaults: adapter lr 1e-4,
+clip 0.2, beta 0.04, one update per batch, adapter only) -> ``engine.refit(None)`` (a no-op for the
+embedded engine; timed anyway). The LM, LoRA (r=16, alpha 32 on the ModelSpec's targets) and ``mlp2x_gelu``
+projector come from ``sft_throughput.build_stitched``; weights are random-init, so there is no verifiable
+reward: rewards are random 0/1 from a seeded generator, the same draws in both modes.
+
+Prompts: 49 image placeholders between the start/end sentinels + 40 random text tokens
+(``sft_throughput.make_samples``); cached features [1, 49, 768] bf16 on the CPU, as the cache returns them.
+One prompt length, and completions that almost always run to ``--max-new-tokens``, keep every step's shapes
+those the warm-up steps already met (on the GPU the first use of a new length costs up to ~2 s, see part 2).
+
+Modes (same model, same prompts, sampling seed, rewards and starting adapter; the adapter and AdamW state
+are reset between modes):
+
+* ``stitch``    features from the cache, as ``_train_grpo`` runs.
+* ``baseline``  encoder in the loop (TRL / EasyR1 style): the frozen bf16 CLIP ViT-B/32 tower (sdpa, real
+                config, random init) runs on raw pixels for every forward that needs the image: once on the
+                prompts before the rollout, then on the batch's rows inside the old-log-prob, reference and
+                each training forward. Pixels sit on the GPU already (no host copy is charged).
+
+Every part is bracketed by ``torch.cuda.synchronize``; the baseline's CLIP calls are bracketed too and
+reported as ``clip_s`` inside their part. ``reward_collate`` (random rewards, advantages, collation, copy
+to the device) is timed as its own part. Completion tokens count up to and including EOS, as grpo.py's
+mask does; random-init weights rarely sample EOS, so most completions run to ``--max-new-tokens``.
+
+Command (on the H200 machine, repo root):
+
+    PYTHONPATH=. python3 benchmarks/grpo_breakdown.py --shape dense4b --out benchmarks/results
+    # CPU check in seconds: PYTHONPATH=. python benchmarks/grpo_breakdown.py --smoke --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import log, now, peak_gib, reset_peak, write_result  # noqa: E402
+from benchmarks.sft_throughput import (  # noqa: E402
+    FEATURE_WIDTH,
+    IMAGE_TOKENS,
+    build_stitched,
+    clip_features,
+    clip_tower,
+    kernel_report,
+    make_samples,
+    plugin_host,
+)
+
+PAD_ID = 0
+PARTS = ("rollout", "reward_collate", "logprobs", "train", "refit")
+CLIP_PARTS = ("rollout", "logprobs", "train")
+
+
+def build_policy(args, host, device):
+    """The stitched 4B model as GRPO trains it: adapter trainable, projector frozen; ids incl. EOS."""
+    model, _, _, ids, info = build_stitched(args.shape, args, host, device)
+    model.projector.requires_grad_(False)  # GRPOOptions.train_projector defaults to False
+    ids["eos"] = info["vocab_size"] - 4  # an ordinary vocabulary id, not a sentinel
+    return model, ids, info
+
+
+def run_mode(
+    mode: str, model, reference, anchor, prompts, pixels, opts, args, ids, device, clip=None
+) -> dict:
+    from stitch.engines import EmbeddedEngine
+    from stitch.grpo import group_advantages, grpo_loss, token_logprobs
+    from stitch.packing import Sample, collate_packs
+    from stitch.training import audit_gradients
+
+    with torch.no_grad():  # every mode starts from the same adapter (the warm start = the KL reference)
+        for n, p in model.named_parameters():
+            if n in reference:
+                p.copy_(reference[n])
+    allowed = ("adapter",)
+    audit_gradients(model, allowed)
+    groups = [
+        {
+            "params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n],
+            "lr": opts.lr_adapter,
+            "name": "adapter",
+        }
+    ]
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    sentinels = [ids["start"], ids["placeholder"], ids["end"]]
+    engine = EmbeddedEngine(model.lm, pad_id=PAD_ID, eos_id=ids["eos"], suppress_ids=sentinels)
+    ref_params = {**reference, **{f"projector.{n}": t for n, t in anchor.items()}}
+    rng = random.Random(args.seed)
+    reward_gen = torch.Generator().manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    pix = pixels.to(device, torch.bfloat16) if clip is not None else None
+    no_features = torch.empty(0, IMAGE_TOKENS, FEATURE_WIDTH, dtype=torch.bfloat16)
+    part = {"name": "rollout"}
+    clip_s = {}
+
+    def encode(row_ids):
+        """Baseline only: the frozen tower on these rows' raw pixels, charged to the running part's clip_s."""
+        t = now()
+        idx = torch.tensor([int(r[1:]) % pix.shape[0] for r in row_ids], device=device)
+        feats = clip_features(clip, pix[idx], args.smoke)
+        clip_s[part["name"]] += now() - t
+        return feats
+
+    def fed(batch):
+        return batch if clip is None else dataclasses.replace(batch, features=encode(batch.row_ids))
+
+    def one_step() -> dict:
+        secs, peaks = {}, {}
+        clip_s.clear()
+        clip_s.update(dict.fromkeys(CLIP_PARTS, 0.0))
+        clock = [now()]
+
+        def lap(name):  # close part `name`: synchronised seconds and its peak memory
+            t = now()
+            secs[name], clock[0] = t - clock[0], t
+            peaks[name] = peak_gib()
+            torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+
+        drawn = [prompts[rng.randrange(len(prompts))] for _ in range(opts.prompts_per_step)]
+        part["name"] = "rollout"
+        model.eval()
+        with torch.no_grad():
+            feats = encode([s.row_id for s in drawn]) if clip is not None else None
+            embeds = []
+            for i, s in enumerate(drawn):
+                f = s.features if feats is None else feats[i : i + 1]
+                embeds.append(
+                    model.embed(torch.tensor([s.input_ids], device=device), f.to(device), [s.row_id])[0]
+                )
+            completions = engine.generate(embeds, opts.group_size, opts.max_new_tokens, opts.temperature)
+        lap("rollout")
+        rewards = torch.randint(0, 2, (len(completions),), generator=reward_gen).float()
+        adv = group_advantages(rewards, opts.group_size).to(device)
+        samples = []
+        for c in completions:
+            s = drawn[c.prompt_index]
+            f = s.features if clip is None else no_features
+            samples.append(
+                [Sample(s.row_id, s.input_ids + c.token_ids, [-100] * len(s.input_ids) + c.token_ids, f)]
+            )
+        batch = collate_packs(samples, PAD_ID, packed=False).to(device)
+        lap("reward_collate")
+        part["name"] = "logprobs"
+        with torch.no_grad():
+            old_lp, mask = token_logprobs(model, fed(batch), opts.temperature, suppress_ids=sentinels)
+            ref_lp, _ = token_logprobs(
+                model, fed(batch), opts.temperature, params=ref_params, suppress_ids=sentinels
+            )
+        engine_lp = torch.zeros_like(old_lp)
+        for i, c in enumerate(completions):
+            pos = mask[i].nonzero().squeeze(-1)
+            engine_lp[i, pos] = torch.tensor(c.logprobs, device=device, dtype=engine_lp.dtype)
+        parity = float((engine_lp - old_lp)[mask].abs().max()) if mask.any() else 0.0
+        lap("logprobs")
+        part["name"] = "train"
+        model.train()
+        for _ in range(opts.updates_per_batch):
+            lp, _ = token_logprobs(model, fed(batch), opts.temperature, suppress_ids=sentinels)
+            loss, kl = grpo_loss(lp, old_lp, ref_lp, adv, mask, opts.clip_eps, opts.kl_beta)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            audit_gradients(model, allowed)
+            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+            optimizer.step()
+        lap("train")
+        engine.refit(None)
+        lap("refit")
+        lengths = [len(c.token_ids) for c in completions]
+        return {
+            "s": secs,
+            "clip_s": dict(clip_s),
+            "peak_gib": peaks,
+            "gen_tokens": int(mask.sum()),
+            "max_len": max(lengths),
+            "eos_ended": sum(c.token_ids[-1] == ids["eos"] for c in completions if c.token_ids),
+            "sequences": len(completions),
+            "batch_width": int(batch.input_ids.shape[1]),
+            "loss": float(loss.detach()),
+            "kl": float((kl.detach() * mask).sum() / mask.sum().clamp(min=1)),
+            "parity": parity,
+        }
+
+    reset_peak()
+    warm, timed = [], []
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        rec = one_step()
+        rec["step_s"] = time.perf_counter() - t0
+        (warm if step < args.warmup else timed).append(rec)
+        log(
+            f"{mode} step {step}{' (warm-up)' if step < args.warmup else ''}: {rec['step_s']:.3f} s "
+            + " ".join(f"{k} {v:.3f}" for k, v in rec["s"].items())
+            + f", {rec['gen_tokens']} tokens"
+        )
+    return summarize_mode(mode, warm, timed, clip is not None)
+
+
+def summarize_mode(mode: str, warm: list, timed: list, with_clip: bool) -> dict:
+    med = statistics.median
+    parts_s = {p: [round(r["s"][p], 4) for r in timed] for p in PARTS}
+    step_s = [r["step_s"] for r in timed]
+    gen = [r["gen_tokens"] for r in timed]
+    seqs = sum(r["sequences"] for r in timed)
+    rollout_total = sum(parts_s["rollout"])
+    result = {
+        "mode": mode,
+        "steps": len(timed),
+        "step_s_median": round(med(step_s), 4),
+        "step_s_mean": round(sum(step_s) / len(step_s), 4),
+        "parts_s_median": {p: round(med(v), 4) for p, v in parts_s.items()},
+        "parts_share": {p: round(sum(v) / sum(step_s), 4) for p, v in parts_s.items()},
+        "rollout_tokens_per_s": round(sum(gen) / rollout_total, 1),
+        "rollout_tokens_per_s_median": round(
+            med(g / r for g, r in zip(gen, parts_s["rollout"], strict=True)), 1
+        ),
+        "generated_tokens_per_step": gen,
+        "mean_completion_tokens": round(sum(gen) / seqs, 2),
+        "max_completion_tokens": max(r["max_len"] for r in timed),
+        "eos_ended_share": round(sum(r["eos_ended"] for r in timed) / seqs, 4),
+        "sequences_per_step": timed[0]["sequences"],
+        "train_batch_width": [r["batch_width"] for r in timed],
+        "peak_gib": max(
+            (v for r in warm + timed for v in r["peak_gib"].values() if v is not None), default=None
+        ),
+        "peak_gib_by_part": {p: max((r["peak_gib"][p] or 0) for r in warm + timed) for p in PARTS}
+        if timed[0]["peak_gib"]["rollout"] is not None
+        else None,
+        "parity_max_abs_logprob": max(r["parity"] for r in timed),
+        "last_loss": round(timed[-1]["loss"], 5),
+        "last_kl": round(timed[-1]["kl"], 6),
+        "warmup_step_s": [round(r["step_s"], 3) for r in warm],
+        "step_s": [round(t, 4) for t in step_s],
+        "parts_s": parts_s,
+    }
+    if with_clip:
+        clip = {p: [round(r["clip_s"][p], 4) for r in timed] for p in CLIP_PARTS}
+        result["clip_s_median"] = {p: round(med(v), 4) for p, v in clip.items()}
+        result["clip_s_per_step_median"] = round(med(sum(r["clip_s"].values()) for r in timed), 4)
+        result["clip_share"] = round(sum(sum(v) for v in clip.values()) / sum(step_s), 4)
+        result["clip_s"] = clip
+    return result
+
+
+def summarize(info: dict, opts, modes: dict, args) -> dict:
+    seqs = opts.prompts_per_step * opts.group_size
+    out = {
+        "model": info,
+        "grpo_options": dataclasses.asdict(opts),
+        "rewards": "random 0/1 from a seeded torch.Generator (random-init weights: no verifiable reward); "
+        "the same draws in both modes",
+        "engine": "stitch.engines.EmbeddedEngine (transformers generate on the live policy)",
+        "timing": "torch.cuda.synchronize at every part boundary and around each baseline CLIP call; "
+        "median over the timed steps after --warmup steps",
+        "estimates": {
+            # EmbeddedEngine keeps generate's per-step fp32 logits, stacks them, masks a copy, scales, log_softmaxes
+            "engine_logits_fp32_gib_per_copy": round(
+                seqs * opts.max_new_tokens * info["vocab_size"] * 4 / 2**30, 2
+            ),
+            "engine_logits_copies_alive_at_peak": 4,
+        },
+        "modes": dict(modes),
+    }
+    stitch, base = modes.get("stitch", {}), modes.get("baseline", {})
+    if stitch.get("step_s_median") and base.get("step_s_median"):
+        out["ratio_baseline_over_stitch_step_s"] = round(base["step_s_median"] / stitch["step_s_median"], 4)
+        out["ratio_by_part"] = {
+            p: round(base["parts_s_median"][p] / stitch["parts_s_median"][p], 4)
+            for p in PARTS
+            if stitch["parts_s_median"][p] > 0
+        }
+    return out
+
+
+def print_table(out: dict) -> None:
+    cols = ("step s", *PARTS, "clip s", "gen tok/step", "rollout tok/s", "peak GiB", "x stitch")
+    log(" | ".join(("mode", *cols)))
+    ratio = out.get("ratio_baseline_over_stitch_step_s")
+    for mode, r in out["modes"].items():
+        if "error" in r:
+            log(f"{mode} | {r['error'][:100]}")
+            continue
+        row = [
+            mode,
+            f"{r['step_s_median']:.3f}",
+            *(f"{r['parts_s_median'][p]:.4f}" for p in PARTS),
+            f"{r.get('clip_s_per_step_median', 0.0):.4f}",
+            f"{statistics.median(r['generated_tokens_per_step']):.0f}",
+            f"{r['rollout_tokens_per_s']:.1f}",
+            str(r["peak_gib"]),
+            f"{ratio:.3f}" if mode == "baseline" and ratio else "1.000" if mode == "stitch" else "-",
+        ]
+        log(" | ".join(row))
+    log(
+        "mean completion tokens: "
+        + ", ".join(f"{m} {r.get('mean_completion_tokens')}" for m, r in out["modes"].items())
+    )
+
+
+def main() -> None:
+    from stitch.grpo import GRPOOptions
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="dense4b", choices=("dense4b", "qwen35_4b", "nemotron4b"))
+    ap.add_argument("--modes", default="stitch,baseline")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--prompt-pool", type=int, default=256, help="distinct prompts drawn from")
+    ap.add_argument("--pixel-pool", type=int, default=64, help="distinct raw pixel tensors (cycled)")
+    ap.add_argument("--text-min", type=int, default=40, help="prompt text tokens (uniform in min..max)")
+    ap.add_argument("--text-max", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grad-ckpt", action="store_true")
+    ap.add_argument(
+        "--attn", default="sdpa", help="attn_implementation for the LM: sdpa | eager | flex_attention"
+    )
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--tag", default="", help="suffix for the result name grpo_<shape><tag>")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run")
+    args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.prompts, args.group, args.max_new_tokens = 2, 1, 2, 4, 8
+        args.prompt_pool, args.pixel_pool = 16, 4
+    opts = GRPOOptions(
+        prompts_per_step=args.prompts,
+        group_size=args.group,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kernels = kernel_report()
+    log(f"device {device}; kernels {kernels}")
+    host = plugin_host()
+    t0 = time.perf_counter()
+    model, ids, info = build_policy(args, host, device)
+    info["build_s"] = round(time.perf_counter() - t0, 1)
+    log(json.dumps(info))
+    # the warm start: frozen copies substituted for the reference forward, as _train_grpo keeps them
+    reference = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    anchor = {n: p.detach().clone() for n, p in model.projector.named_parameters()}
+    prompts, pixels = make_samples(
+        args.prompt_pool,
+        info["vocab_size"],
+        ids,
+        args.text_min,
+        args.text_max,
+        args.seed,
+        args.pixel_pool,
+        args.smoke,
+    )
+    name = f"grpo_{args.shape}{args.tag}"
+    modes: dict = {}
+
+    def save() -> dict:  # after every mode: a run cut short by a time limit still leaves what it finished
+        out = summarize(info, opts, modes, args)
+        write_result(name, {"config": vars(args), "kernels": kernels, **out}, args.out)
+        return out
+
+    for mode in args.modes.split(","):
+        clip = clip_tower(device, args.smoke) if mode == "baseline" else None
+        try:
+            modes[mode] = run_mode(
+                mode, model, reference, anchor, prompts, pixels, opts, args, ids, device, clip
+            )
+        except torch.OutOfMemoryError as exc:
+            modes[mode] = {"mode": mode, "error": f"OOM: {str(exc)[:300]}"}
+        clip = None
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        log(
+            f"{args.shape} {mode}: {json.dumps({k: v for k, v in modes[mode].items() if k not in ('parts_s', 'clip_s')})}"
+        )
+        out = save()
+    print_table(out)
+
+
+if __name__ == "__main__":
+    main()
