@@ -74,9 +74,19 @@ class PackedStream:
             "rng": random_to_json(self.rng),
             "buffer": list(self.buffer),
             "pending": self.pending,
+            "pack": self.pack,
+            "token_budget": self.token_budget,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # packing can depend on the machine (Nemotron-H packs only where fla's kernels run): a resume that would
+        # batch differently from the run it continues is refused rather than silently diverging
+        for key, now in (("pack", self.pack), ("token_budget", self.token_budget)):
+            if key in state and state[key] != now:
+                hint = (" (packing follows the model binding on this machine: see `stitch models --json` and the "
+                        "binding's packing_note)") if key == "pack" else ""
+                raise ValueError(f"cannot resume: the checkpoint's data stream has {key}={state[key]!r} but this "
+                                 f"run has {key}={now!r}{hint}")
         self.offset = state["offset"]
         self.epoch = state["epoch"]
         random_from_json(self.rng, state["rng"])

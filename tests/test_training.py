@@ -141,3 +141,15 @@ def test_alignment_and_sft_run_on_each_tiny_architecture(prepared, tmp_path, mod
 
     assert sorted(config["target_modules"]) == sorted(get_host().get("models", model).lora_target_modules)
     assert all(torch.isfinite(torch.tensor(_losses(tmp_path / "run", "sft"))))
+
+
+@pytest.mark.parametrize("field, changed", [("pack", {"pack": False}), ("token_budget", {"token_budget": 256})])
+def test_resume_refuses_a_data_stream_that_would_batch_differently(tmp_path, field, changed):
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps({"id": f"r{i}", "partition": "train"}) + "\n" for i in range(4)))
+    options = {"token_budget": 512, "pack": True}
+    state = PackedStream(manifest, lambda row: None, **options).state_dict()
+    resumed = PackedStream(manifest, lambda row: None, **{**options, **changed})
+    with pytest.raises(ValueError, match=f"{field}="):
+        resumed.load_state_dict(state)
+    PackedStream(manifest, lambda row: None, **options).load_state_dict(state)  # same settings: accepted
