@@ -48,6 +48,8 @@ class GRPOOptions:
     clip_eps: float = 0.2
     kl_beta: float = 0.04
     updates_per_batch: int = 1
+    # sequences per forward/backward (gradients accumulate to the same update); None = the whole step at once
+    micro_batch_size: int | None = None
     train_projector: bool = False
     engine: str = "embedded"
     placement: str = "colocated"  # or "ray": rollout replicas as Ray actors (stitch.ray_rollout)
@@ -72,6 +74,10 @@ class GRPOOptions:
         if opts.placement not in ("colocated", "ray"):
             raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.placement': expected colocated or ray, "
                               f"got {opts.placement!r}")
+        if opts.micro_batch_size is not None and (not isinstance(opts.micro_batch_size, int)
+                                                   or opts.micro_batch_size < 1):
+            raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.micro_batch_size': expected a positive "
+                              f"integer or null, got {opts.micro_batch_size!r}")
         if opts.group_size < 2:
             raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.group_size': expected at least 2 "
                               f"(advantages are normalised within a group), got {opts.group_size}")
@@ -214,12 +220,18 @@ def _train_grpo(recipe: Recipe, out_dir: Path, cleanup: ExitStack, *, resume: bo
         for c in completions:
             ids, f = prompts[c.prompt_index]
             samples.append([Sample(drawn[c.prompt_index].id, ids + c.token_ids, [-100] * len(ids) + c.token_ids, f)])
-        batch = collate_packs(samples, session.pad_id, packed=False).to(session.device)
+        width = max(len(pack[0]) for pack in samples)
+        size = opts.micro_batch_size or len(samples)
+        chunks = [range(i, min(i + size, len(samples))) for i in range(0, len(samples), size)]
+        batches = [collate_packs([samples[i] for i in chunk], session.pad_id, packed=False, length=width)
+                   .to(session.device) for chunk in chunks]
         t1 = time.perf_counter()
+        reference_params = {**reference, **{f"projector.{n}": t for n, t in anchor.items()}}
         with torch.no_grad():
-            old_lp, mask = token_logprobs(model, batch, opts.temperature, suppress_ids=sentinels)
-            ref_lp, _ = token_logprobs(model, batch, opts.temperature, params={**reference, **{
-                f"projector.{n}": t for n, t in anchor.items()}}, suppress_ids=sentinels)
+            old = [token_logprobs(model, b, opts.temperature, suppress_ids=sentinels) for b in batches]
+            old_lp, mask = torch.cat([lp for lp, _ in old]), torch.cat([m for _, m in old])
+            ref_lp = torch.cat([token_logprobs(model, b, opts.temperature, params=reference_params,
+                                               suppress_ids=sentinels)[0] for b in batches])
         engine_lp = torch.zeros_like(old_lp)
         for i, c in enumerate(completions):
             pos = mask[i].nonzero().squeeze(-1)
@@ -230,10 +242,18 @@ def _train_grpo(recipe: Recipe, out_dir: Path, cleanup: ExitStack, *, resume: bo
         t2 = time.perf_counter()
         model.train()
         for _ in range(opts.updates_per_batch):
-            lp, _ = token_logprobs(model, batch, opts.temperature, suppress_ids=sentinels)
-            loss, kl = grpo_loss(lp, old_lp, ref_lp, adv, mask, opts.clip_eps, opts.kl_beta)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, kls = torch.zeros((), device=session.device), []
+            for chunk, b in zip(chunks, batches, strict=True):
+                part = slice(chunk.start, chunk.stop)
+                lp, _ = token_logprobs(model, b, opts.temperature, suppress_ids=sentinels)
+                chunk_loss, chunk_kl = grpo_loss(lp, old_lp[part], ref_lp[part], adv[part], mask[part],
+                                                 opts.clip_eps, opts.kl_beta)
+                # the step's loss is a mean over sequences: weight each chunk by its share of them
+                weighted = chunk_loss * (len(chunk) / len(samples))
+                weighted.backward()
+                loss, kls = loss + weighted.detach(), kls + [chunk_kl.detach()]
+            kl = torch.cat(kls)
             audit_gradients(model, allowed)
             torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
             optimizer.step()
@@ -242,8 +262,8 @@ def _train_grpo(recipe: Recipe, out_dir: Path, cleanup: ExitStack, *, resume: bo
         engine.refit(None)
         timings["refit"] += time.perf_counter() - t3
         step += 1
-        mean_kl = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
-        record = {"step": step, "reward": float(rewards.mean()), "loss": float(loss.detach()), "kl": mean_kl,
+        mean_kl = float((kl * mask).sum() / mask.sum().clamp(min=1))
+        record = {"step": step, "reward": float(rewards.mean()), "loss": float(loss), "kl": mean_kl,
                   "parity_max_abs_logprob": parity,
                   "completion_tokens": int(mask.sum())}
         if drift is not None:

@@ -103,6 +103,37 @@ def test_grpo_default_keeps_the_projector_frozen(sft_run, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_grpo_micro_batches_accumulate_to_the_same_update_as_one_batch(sft_run, tmp_path):
+
+    results = {}
+    for size in (None, 5):  # 16 sequences in chunks of 5, 5, 5, 1
+        run = _clone(sft_run, tmp_path / f"mb{size}")
+        # hot sampling over 4 groups of 4, so some group has mixed rewards and the update is not zero
+        recipe = load_recipe(write_recipe(tmp_path / f"r{size}.yaml", stages__grpo__steps=1,
+                                          stages__grpo__prompts_per_step=4, stages__grpo__group_size=4,
+                                          stages__grpo__temperature=1.5, stages__grpo__micro_batch_size=size,
+                                          stages__grpo__lr_adapter=1e-2))
+        summary = train_grpo(recipe, run, progress=False)
+        metrics = json.loads((run / "grpo" / "metrics.jsonl").read_text().splitlines()[0])
+        # AdamW's first moment after one step is 0.1 x the (clipped) gradient: compare that, not the weights (a
+        # first Adam step moves every weight by ~lr x sign(grad), so 1e-9 gradient noise can flip a weight by 2 lr)
+        state = torch.load(Path(summary["checkpoint"]) / "optimizer.pt", weights_only=True)["state"]
+        results[size] = (metrics, [state[i]["exp_avg"] for i in sorted(state)])
+    (m_one, g_one), (m_mb, g_mb) = results[None], results[5]
+    assert m_one["completion_tokens"] == m_mb["completion_tokens"] and m_one["reward"] == m_mb["reward"]
+    assert abs(m_one["loss"] - m_mb["loss"]) < 1e-6 and abs(m_one["kl"] - m_mb["kl"]) < 1e-6
+    scale = max(float(g.abs().max()) for g in g_one)
+    assert scale > 0  # some group had mixed rewards: there was a gradient to compare
+    for a, b in zip(g_one, g_mb, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6 * scale)
+
+
+def test_grpo_micro_batch_size_must_be_positive(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__micro_batch_size=0))
+    with pytest.raises(RecipeError, match="stages.grpo.micro_batch_size"):
+        GRPOOptions.from_recipe(recipe)
+
+
 def test_dpo_loss_falls_and_margin_grows_on_the_default_pairs(sft_run, tmp_path):
     run = _clone(sft_run, tmp_path)
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__dpo__steps=8, stages__dpo__pairs_per_step=4,
