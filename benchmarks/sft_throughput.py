@@ -235,6 +235,14 @@ def build_stitched(shape: str, args, host, device):
         from stitch_nemotron.models import use_mamba2_kernels
 
         kernel_path = "fla (stitch_nemotron.kernels)" if use_mamba2_kernels(lm, spec_name) else "pytorch reference"
+    if shape == "qwen35_4b":  # what load_qwen does for a real checkpoint
+        from stitch.varlen import varlen_kernels_ready
+        from stitch_qwen.kernels import use_varlen
+
+        kernel_path = "pytorch reference"
+        if varlen_kernels_ready():
+            use_varlen(lm)
+            kernel_path = "fla (stitch_qwen.kernels, varlen packing)"
     n_matmul = matmul_params(lm)
     n_total = sum(p.numel() for p in lm.parameters())
     hidden = lm.config.get_text_config().hidden_size
@@ -264,7 +272,7 @@ def build_stitched(shape: str, args, host, device):
         "attn_implementation": lm.config._attn_implementation,
         "model_spec": spec_name,
         "supports_packing": spec.packs(),
-        "mamba2_path": kernel_path,
+        "recurrent_layers_path": kernel_path,
         "hidden_size": hidden,
         "num_layers": len(layer_kinds(cfg)),
         "layer_kinds": {k: layer_kinds(cfg).count(k) for k in sorted(set(layer_kinds(cfg)))},
@@ -458,17 +466,38 @@ def mamba2_parity(model) -> dict:
             "cosine": torch.nn.functional.cosine_similarity(fast.flatten(), ref.flatten(), dim=0).item()}
 
 
+def packing_parity(model, samples, budget: int, device) -> dict:
+    """Loss of one packed row against the same samples one per padded row (a hybrid must keep them apart)."""
+    from stitch.packing import collate_packs
+
+    pack, used = [], 0
+    for s in samples:
+        if used + len(s) > budget:
+            break
+        pack.append(s)
+        used += len(s)
+    packed = collate_packs([pack], 0, packed=True, length=budget).to(device)
+    unpacked = collate_packs([[s] for s in pack], 0, packed=False).to(device)
+    with torch.no_grad():
+        lp, n_p = model.loss(packed)
+        lu, n_u = model.loss(unpacked)
+    return {"samples": len(pack), "labels": [n_p, n_u], "packed_loss": float(lp), "unpacked_loss": float(lu),
+            "relative_diff": abs(float(lp) - float(lu)) / abs(float(lu))}
+
+
 def run_shape(shape: str, args, host, device, save=None) -> dict:
     log(f"== {shape}: building")
     t0 = time.perf_counter()
     model, optimizer, groups, ids, info = build_stitched(shape, args, host, device)
     info["build_s"] = round(time.perf_counter() - t0, 1)
-    if (info.get("mamba2_path") or "").startswith("fla"):
+    if shape == "nemotron4b" and (info.get("recurrent_layers_path") or "").startswith("fla"):
         info["mamba2_parity"] = mamba2_parity(model)
-    log(json.dumps(info))
     samples, pixels = make_samples(
         args.samples, info["vocab_size"], ids, args.text_min, args.text_max, 0, args.pixel_pool, args.smoke
     )
+    if shape != "dense4b":  # hybrids: near 0 when the kernels keep samples apart, the leak otherwise
+        info["packing_parity"] = packing_parity(model, samples, args.budget, device)
+    log(json.dumps(info))
     modes = {}
     for mode in args.modes.split(","):
         try:

@@ -31,11 +31,9 @@ class NemotronHForCausalLM(StockNemotronHForCausalLM):
         """
         if (self.stitch_varlen and attention_mask is None and position_ids is not None and past_key_values is None
                 and not use_cache and "cu_seq_lens_q" not in kwargs):
-            from stitch_nemotron.kernels import cu_seqlens_from_positions
+            from stitch.varlen import varlen_kwargs
 
-            cu = cu_seqlens_from_positions(position_ids)
-            longest = int((cu[1:] - cu[:-1]).max())
-            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+            kwargs.update(varlen_kwargs(position_ids))
         return super().forward(*args, attention_mask=attention_mask, position_ids=position_ids,
                                past_key_values=past_key_values, use_cache=use_cache, **kwargs)
 

@@ -20,73 +20,32 @@ Generation (any call with a cache) keeps the stock forward.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from stitch.varlen import (  # noqa: F401  (cu_seqlens_from_positions, varlen_kernels_ready: re-exported)
+    cu_seqlens_from_positions,
+    fla_conv,
+    fla_kernels_importable,
+    reference_conv,
+    segments,
+    varlen_kernels_ready,
+)
+
 FLA = "fla"
 REFERENCE = "reference"
-
-
-@functools.cache
-def fla_kernels_importable() -> str | None:
-    """None when fla's simple-GLA and causal-conv kernels import, else why not (one line)."""
-    if importlib.util.find_spec("fla") is None:
-        return "flash-linear-attention is not installed"
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
-        from fla.ops.simple_gla import chunk_simple_gla  # noqa: F401
-    except Exception as exc:  # an import-time failure (e.g. Triton too old) is reported, not raised
-        return f"flash-linear-attention does not import: {type(exc).__name__}: {str(exc)[:200]}"
-    return None
-
-
-def varlen_kernels_ready() -> bool:
-    """True when packed Nemotron-H rows can run with sample boundaries: a CUDA device and fla's kernels."""
-    return torch.cuda.is_available() and fla_kernels_importable() is None
-
-
-def cu_seqlens_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """Sample starts of the flattened batch (every position id 0 starts one; every row starts with 0) + the end."""
-    flat = position_ids.reshape(-1)
-    if flat.numel() and int(flat[0]) != 0:
-        raise ValueError(f"packed rows must start a sample at position 0, got position id {int(flat[0])}")
-    starts = (flat == 0).nonzero().squeeze(-1)
-    end = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
-    return torch.cat([starts, end]).to(torch.int32)
 
 
 # -- backends: conv(x [1|B, T, D], weight [D, W], bias, activation, cu_seqlens) -> [.., T, D]
 #              scan(q, k [.., T, H, N], v [.., T, H, P], g [.., T, H] fp32, cu_seqlens) -> [.., T, H, P] -----------
 
 
-def _segments(total: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
-    if cu_seqlens is None:
-        return [(0, total)]
-    bounds = cu_seqlens.tolist()
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
-
-
-def reference_conv(x, weight, bias, activation, cu_seqlens):
-    out = torch.empty_like(x)
-    for s, e in _segments(x.shape[1], cu_seqlens):
-        seg = x[:, s:e].transpose(1, 2).to(weight.dtype)
-        y = F.conv1d(seg, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=seg.shape[1])
-        y = y[:, :, : e - s]
-        if activation in ("silu", "swish"):
-            y = F.silu(y)
-        elif activation is not None:
-            raise ValueError(f"conv activation {activation!r}: expected 'silu', 'swish' or None")
-        out[:, s:e] = y.transpose(1, 2).to(x.dtype)
-    return out
-
-
 def reference_scan(q, k, v, g, cu_seqlens):
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    for s, e in _segments(v.shape[1], cu_seqlens):
+    for s, e in segments(v.shape[1], cu_seqlens):
         cum = g[:, s:e].float().cumsum(1)  # [B, L, H]
         diff = cum[:, :, None, :] - cum[:, None, :, :]  # [B, i, j, H]
         causal = torch.ones(e - s, e - s, dtype=torch.bool, device=v.device).tril()[None, :, :, None]
@@ -94,13 +53,6 @@ def reference_scan(q, k, v, g, cu_seqlens):
         scores = torch.einsum("bihn,bjhn->bijh", q[:, s:e].float(), k[:, s:e].float()) * decay
         out[:, s:e] = torch.einsum("bijh,bjhp->bihp", scores, v[:, s:e].float())
     return out
-
-
-def fla_conv(x, weight, bias, activation, cu_seqlens):
-    from fla.modules.causal_conv1d import causal_conv1d
-
-    y, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens)
-    return y
 
 
 def fla_scan(q, k, v, g, cu_seqlens):

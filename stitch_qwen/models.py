@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from stitch.specs import ModelSource, ModelSpec
+from stitch.varlen import fla_kernels_importable, varlen_kernels_ready
+from stitch_qwen.kernels import use_varlen
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.tiny import TINY_HIDDEN, build_qwen35_demo, build_qwen35_moe_tiny, build_qwen35_tiny
 from stitch_qwen.vlm_layout import VLM_TO_TEXT, SafetensorsStateDict, is_vlm_layout
@@ -41,13 +45,16 @@ MOE_EXCLUSIONS: dict[str, str] = {
     "one output is degenerate and, like the router, it is a gate",
 }
 
+log = logging.getLogger("stitch")
+
 PACKING_NOTE = (
-    "Unpacked: Qwen3.5's linear-attention layers (Gated DeltaNet) carry a recurrent state and a 4-tap causal-conv "
-    "window along the row, and on transformers' PyTorch path (no flash-linear-attention / causal-conv1d kernels) "
-    "they ignore position_ids resets and cu_seqlens, so one packed sample's state leaks into the next. The "
-    "full-attention layers alone would be fine (with use_cache=False and no attention_mask, transformers derives a "
-    "block-causal mask from reset position_ids). "
-    "Packing needs the fla varlen kernels fed cu_seqlens, which this stack does not qualify."
+    "Packed only on a CUDA device with flash-linear-attention installed: stitch then flattens packed rows into one "
+    "row carrying the sample starts, which fla's varlen Gated DeltaNet rule and stitch's varlen causal conv honour "
+    "(stitch_qwen/kernels.py). Otherwise unpacked: the linear-attention layers (Gated DeltaNet) carry a recurrent "
+    "state and a 4-tap causal-conv window along the row, and transformers' PyTorch path ignores position-id resets "
+    "and cu_seqlens, so one packed sample's state would leak into the next. The full-attention layers alone would "
+    "be fine (with use_cache=False and no attention_mask, transformers derives a block-causal mask from reset "
+    "position_ids)."
 )
 HOW_TO_LOAD_VLM = (
     "Text layout loads with from_pretrained; the native VLM layout is mapped through 'qwen3.5-vlm-to-text' "
@@ -73,6 +80,21 @@ def local_snapshot(source: ModelSource) -> Path:
 
 
 def load_qwen(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
+    """The text causal LM of ``spec``; on a GPU with fla, hybrid ones pack with sample boundaries."""
+    model = _load_qwen(spec, source, dtype, trust_remote_code)
+    if spec.packing_when is not None and torch.cuda.is_available():
+        why_not = fla_kernels_importable()
+        if why_not is None:
+            use_varlen(model)
+            log.info("%s: Gated DeltaNet layers run on flash-linear-attention, packed with sample boundaries",
+                     spec.name)
+        elif importlib.util.find_spec("fla") is not None:  # installed but broken: say why (absent: kernel_report)
+            log.warning("%s: %s; Gated DeltaNet layers fall back to the PyTorch reference and train unpacked",
+                        spec.name, why_not)
+    return model
+
+
+def _load_qwen(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
     """The text causal LM of ``spec`` from a text-layout or native-VLM-layout snapshot (safetensors only)."""
     import transformers
 
@@ -116,6 +138,7 @@ def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, descriptio
         load=load_qwen,
         state_dict_adapter=VLM_TO_TEXT.name,
         supports_packing=False,
+        packing_when=varlen_kernels_ready,
         packing_note=PACKING_NOTE,
         kernels=GDN_KERNELS,
         description=f"{description} {HOW_TO_LOAD_VLM}",
@@ -134,14 +157,16 @@ def qwen_moe_spec(name: str, source: ModelSource, hidden_size: int, description:
         load=load_qwen,
         state_dict_adapter=VLM_TO_TEXT.name,
         supports_packing=False,
+        packing_when=varlen_kernels_ready,
         packing_note=PACKING_NOTE,
         kernels=GDN_KERNELS,
         description=f"{description} {HOW_TO_LOAD_VLM}",
     )
 
 
-# Gated DeltaNet's fused path (transformers picks it up when importable); needs Triton >= 3.7.1 on Hopper
-GDN_KERNELS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+# Gated DeltaNet's fused path (transformers picks it up when importable; stitch adds the varlen conv and packing);
+# needs Triton >= 3.7.1 on Hopper. causal-conv1d's CUDA build is optional: without it the unpacked conv is cuDNN's.
+GDN_KERNELS = {"fla": "flash-linear-attention"}
 
 DEMO_PACKING_NOTE = (
     "full-attention layers only: packed rows get a block-causal mask from position-id resets "

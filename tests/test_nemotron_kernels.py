@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stitch import varlen
 from stitch.packing import Sample, collate_packs
 from stitch.plugins import load_plugins
 from stitch_nemotron import kernels
@@ -116,11 +117,11 @@ def test_generation_with_kernel_mixers_keeps_the_stock_cached_path():
 def test_nemotron_packs_only_where_the_varlen_kernels_run(monkeypatch):
     spec = load_plugins().get("models", "nemotron-3-nano-4b")
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    monkeypatch.setattr(kernels, "fla_kernels_importable", lambda: None)
+    monkeypatch.setattr(varlen, "fla_kernels_importable", lambda: None)
     assert spec.supports_packing is False and spec.packs() is False
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert spec.packs() is True
-    monkeypatch.setattr(kernels, "fla_kernels_importable", lambda: "flash-linear-attention is not installed")
+    monkeypatch.setattr(varlen, "fla_kernels_importable", lambda: "flash-linear-attention is not installed")
     assert spec.packs() is False
     assert "flash-linear-attention" in spec.packing_note
 

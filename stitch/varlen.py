@@ -1,0 +1,121 @@
+"""Sample boundaries for packed rows in recurrent layers: the pieces every hybrid model binding shares.
+
+Attention layers keep packed samples apart through the block-causal mask transformers derives from position-id
+resets. Recurrent layers (Gated DeltaNet, Mamba-2) and their short causal convolutions need the sample starts
+(``cu_seqlens``) instead, and fla's varlen kernels take them for one flattened row. This module finds whether fla's
+kernels run here, turns position ids into ``cu_seqlens``, flattens packed rows into one for a decoder, and runs a
+depthwise causal conv per sample (fla on a GPU, a PyTorch reference otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def fla_kernels_importable() -> str | None:
+    """None when fla's kernels import, else why not (one line)."""
+    if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention is not installed"
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+        from fla.ops.simple_gla import chunk_simple_gla  # noqa: F401
+    except Exception as exc:  # an import-time failure (e.g. Triton too old) is reported, not raised
+        return f"flash-linear-attention does not import: {type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def varlen_kernels_ready() -> bool:
+    """True when packed rows of a hybrid model can run with sample boundaries: a CUDA device and fla's kernels."""
+    return torch.cuda.is_available() and fla_kernels_importable() is None
+
+
+def cu_seqlens_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Sample starts of the flattened batch (every position id 0 starts one; every row starts with 0) + the end."""
+    flat = position_ids.reshape(-1)
+    if flat.numel() and int(flat[0]) != 0:
+        raise ValueError(f"packed rows must start a sample at position 0, got position id {int(flat[0])}")
+    starts = (flat == 0).nonzero().squeeze(-1)
+    end = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def varlen_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """transformers' flash-attention kwargs for packed rows: sample starts and the longest sample."""
+    cu = cu_seqlens_from_positions(position_ids)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def segments(total: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
+    if cu_seqlens is None:
+        return [(0, total)]
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def reference_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                   cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal conv of x [B, T, D] with weight [D, W], restarted at every sample start."""
+    out = torch.empty_like(x)
+    for s, e in segments(x.shape[1], cu_seqlens):
+        seg = x[:, s:e].transpose(1, 2).to(weight.dtype)
+        y = F.conv1d(seg, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=seg.shape[1])
+        y = y[:, :, : e - s]
+        if activation in ("silu", "swish"):
+            y = F.silu(y)
+        elif activation is not None:
+            raise ValueError(f"conv activation {activation!r}: expected 'silu', 'swish' or None")
+        out[:, s:e] = y.transpose(1, 2).to(x.dtype)
+    return out
+
+
+def fla_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+             cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    y, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens)
+    return y
+
+
+def flatten_packed_rows(decoder: torch.nn.Module) -> None:
+    """Make ``decoder`` (a transformers base model) run packed calls as one row carrying ``cu_seq_lens_*``.
+
+    A packed call is one without attention mask or cache whose 2-D position ids reset at each sample. Its rows are
+    concatenated (each row starts a sample, so nothing joins), the sample starts ride along as transformers'
+    flash-attention kwargs to every layer, and the output is reshaped back to the rows. Unpacked and cached calls
+    pass through unchanged.
+    """
+    if getattr(decoder, "_stitch_flatten_packed", False):
+        return
+
+    def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        pos, embeds, ids = kwargs.get("position_ids"), kwargs.get("inputs_embeds"), kwargs.get("input_ids")
+        if (args or (embeds is None and ids is None) or pos is None or pos.dim() != 2
+                or kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None
+                or kwargs.get("use_cache") or "cu_seq_lens_q" in kwargs):
+            return None
+        rows, width = pos.shape
+        module._stitch_rows = (rows, width)
+        flat = {"position_ids": pos.reshape(1, rows * width), **varlen_kwargs(pos)}
+        if embeds is not None:
+            flat["inputs_embeds"] = embeds.reshape(1, rows * width, -1)
+        else:
+            flat["input_ids"] = ids.reshape(1, rows * width)
+        return args, {**kwargs, **flat}
+
+    def after(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        shape = module.__dict__.pop("_stitch_rows", None)
+        if shape is not None:
+            output.last_hidden_state = output.last_hidden_state.reshape(*shape, -1)
+        return output
+
+    decoder.register_forward_pre_hook(before, with_kwargs=True)
+    decoder.register_forward_hook(after, with_kwargs=True)
+    decoder._stitch_flatten_packed = True
