@@ -75,9 +75,14 @@ class EmbeddedEngine:
             return_dict_in_generate=True,
         )
         sequences = out.sequences[:, -len(out.logits):]
-        logits = mask_suppressed(torch.stack(out.logits, dim=1).float(), self.suppress_ids)  # [B*n, T, V]
         scale = 1.0 if greedy else temperature
-        logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, sequences.unsqueeze(-1)).squeeze(-1)
+        # one step at a time: stacking [B*n, T, vocab] in fp32 (and its softmax copies) costs GiBs at 4B scale
+        logprobs = torch.stack([
+            torch.log_softmax(mask_suppressed(step.float(), self.suppress_ids) / scale, dim=-1)
+            .gather(-1, sequences[:, t, None]).squeeze(-1)
+            for t, step in enumerate(out.logits)
+        ], dim=1)
+        del out
         completions = []
         for i in range(sequences.shape[0]):
             ids, lps = [], []
