@@ -48,11 +48,13 @@ def list_plugins(
     _print_failures()
 
 
-def _registry_view(kind: str, columns: dict[str, Any], as_json: bool) -> None:
+def _registry_view(kind: str, columns: dict[str, Any], as_json: bool,
+                   json_only: dict[str, Any] | None = None) -> None:
     host = get_host()
     regs = host.registrations(kind)
     records = [
-        {"name": reg.name, "plugin": host._label(reg.plugin), **{c: fn(reg.spec) for c, fn in columns.items()}}
+        {"name": reg.name, "plugin": host._label(reg.plugin), **{c: fn(reg.spec) for c, fn in columns.items()},
+         **{c: fn(reg.spec) for c, fn in (json_only or {}).items() if as_json}}
         for reg in regs
     ]
     if as_json:
@@ -87,7 +89,7 @@ def encoders(as_json: bool = _JSON) -> None:
 
 @app.command()
 def models(as_json: bool = _JSON) -> None:
-    """Registered base language models, their sentinels and LoRA targets."""
+    """Registered base language models, their sentinels, LoRA targets and whether they pack on this machine."""
     _registry_view(
         "models",
         {
@@ -95,9 +97,11 @@ def models(as_json: bool = _JSON) -> None:
             "hidden": lambda s: s.hidden_size,
             "sentinels": lambda s: s.sentinels,
             "lora_targets": lambda s: ",".join(s.lora_target_modules + s.lora_target_parameters),
+            "packs_here": lambda s: s.packs(),
             "source": lambda s: s.source.describe(),
         },
         as_json,
+        json_only={"packing_note": lambda s: s.packing_note},
     )
 
 
