@@ -226,6 +226,18 @@ def test_cli_list_plugins_json_lists_the_first_party_plugins_with_hooks_and_regi
     assert "stitch" not in plugins  # built-ins only with --all
 
 
+def test_cli_models_json_says_which_models_pack_on_this_machine_and_why_not():
+    out = subprocess.run(
+        [sys.executable, "-m", "stitch", "models", "--json"], capture_output=True, text=True, check=True
+    ).stdout
+    models = {m["name"]: m for m in json.loads(out)}
+    assert models["qwen3.5-demo"]["packs_here"] is True
+    if not __import__("torch").cuda.is_available():  # hybrids pack only on a GPU with fla
+        for name in ("qwen3.5-4b", "nemotron-3-nano-4b"):
+            assert models[name]["packs_here"] is False
+            assert "flash-linear-attention" in models[name]["packing_note"]
+
+
 def test_cli_with_only_qwen_enabled_lists_only_qwen_and_clip_lookup_names_the_plugin():
     env = {**__import__("os").environ, "STITCH_LOAD_PLUGINS": "stitch-qwen"}
     out = subprocess.run(
