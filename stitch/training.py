@@ -9,6 +9,7 @@ batch, same seed, checkpoints in the one-process layout.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import resource
 import time
@@ -83,6 +84,14 @@ class StageOptions:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+
+log = logging.getLogger("stitch")
+
+
+def _carries_sample_starts(model: Any) -> bool:
+    """Whether a hybrid LM's loader installed the varlen path (``stitch_varlen``) on the wrapped model."""
+    return any(getattr(m, "stitch_varlen", False) for m in model.modules())
 
 
 def lr_lambda(opts: StageOptions):
@@ -233,6 +242,11 @@ def _train_stage(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(opts))
 
     packed = opts.packing and session.model_spec.packs()
+    if packed and not session.model_spec.supports_packing and not _carries_sample_starts(model):
+        # the binding packs only when its loader wired sample boundaries into the model; it did not here
+        log.warning("%s: packing is available on this machine but the loaded model has no sample-boundary path "
+                    "(stitch_varlen); training unpacked", session.model_spec.name)
+        packed = False
     stream = PackedStream(
         session.manifest_path,
         session.make_sample,

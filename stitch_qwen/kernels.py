@@ -58,7 +58,10 @@ def patch_gated_deltanet() -> int:
         except ImportError:
             continue
         for attr, wrap in (("causal_conv1d_fn", _conv), ("torch_chunk_gated_delta_rule", _rule)):
-            current = getattr(module, attr)
+            current = getattr(module, attr, None)
+            if current is None:  # transformers renamed what the layer calls: packing would leak, so refuse
+                raise RuntimeError(f"{name} has no {attr}: stitch cannot pass sample starts to Qwen3.5's Gated "
+                                   f"DeltaNet with this transformers version")
             if not hasattr(current, "stitch_original"):
                 setattr(module, attr, wrap(current))
         done += 1

@@ -85,9 +85,12 @@ def load_qwen(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_re
     if spec.packing_when is not None and torch.cuda.is_available():
         why_not = fla_kernels_importable()
         if why_not is None:
-            use_varlen(model)
-            log.info("%s: Gated DeltaNet layers run on flash-linear-attention, packed with sample boundaries",
-                     spec.name)
+            try:
+                use_varlen(model)
+                log.info("%s: Gated DeltaNet layers run on flash-linear-attention, packed with sample boundaries",
+                         spec.name)
+            except RuntimeError as exc:  # training then stays unpacked (stitch.training checks stitch_varlen)
+                log.warning("%s: %s; training unpacked", spec.name, exc)
         elif importlib.util.find_spec("fla") is not None:  # installed but broken: say why (absent: kernel_report)
             log.warning("%s: %s; Gated DeltaNet layers fall back to the PyTorch reference and train unpacked",
                         spec.name, why_not)

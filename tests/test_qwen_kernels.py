@@ -74,3 +74,21 @@ def test_fla_packed_rows_equal_each_sample_alone_on_a_gpu(name):
     ours, _, alone = packed_vs_alone(name, "cuda", torch.float32)
     for mine, ref in zip(ours, alone, strict=True):
         assert (mine - ref).abs().max() < 2e-3 * ref.abs().max()
+
+
+def test_training_packs_a_hybrid_only_when_its_loader_installed_the_sample_start_path():
+    from stitch.training import _carries_sample_starts
+
+    model = load_model(load_plugins().get("models", "qwen3.5-tiny"))
+    wrapped = torch.nn.ModuleDict({"lm": model})  # as inside StitchedModel / peft
+    assert not _carries_sample_starts(wrapped)
+    use_varlen(model)
+    assert _carries_sample_starts(wrapped)
+
+
+def test_a_transformers_without_the_wrapped_functions_is_refused_by_name(monkeypatch):
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+
+    monkeypatch.delattr(modeling, "causal_conv1d_fn")
+    with pytest.raises(RuntimeError, match="causal_conv1d_fn"):
+        patch_gated_deltanet()
