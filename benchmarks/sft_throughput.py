@@ -231,18 +231,17 @@ def build_stitched(shape: str, args, host, device):
         lm = cls._from_config(cfg, dtype=torch.bfloat16, attn_implementation=args.attn)
     lm.requires_grad_(False)
     kernel_path = None
-    if shape == "nemotron4b":  # what load_nemotron_h does for a real checkpoint
-        from stitch_nemotron.models import use_mamba2_kernels
-
-        kernel_path = "fla (stitch_nemotron.kernels)" if use_mamba2_kernels(lm, spec_name) else "pytorch reference"
-    if shape == "qwen35_4b":  # what load_qwen does for a real checkpoint
+    if shape != "dense4b":  # what load_nemotron_h / load_qwen do for a real checkpoint
         from stitch.varlen import varlen_kernels_ready
-        from stitch_qwen.kernels import use_varlen
 
+        if shape == "nemotron4b":
+            from stitch_nemotron.kernels import use_varlen
+        else:
+            from stitch_qwen.kernels import use_varlen
         kernel_path = "pytorch reference"
         if varlen_kernels_ready():
             use_varlen(lm)
-            kernel_path = "fla (stitch_qwen.kernels, varlen packing)"
+            kernel_path = f"fla ({use_varlen.__module__}, varlen packing)"
     n_matmul = matmul_params(lm)
     n_total = sum(p.numel() for p in lm.parameters())
     hidden = lm.config.get_text_config().hidden_size

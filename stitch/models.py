@@ -20,7 +20,8 @@ def load_tokenizer(spec: ModelSpec, source: ModelSource | None = None, trust_rem
 
 
 def kernel_report(spec: ModelSpec) -> list[str]:
-    """What will run PyTorch reference code because a kernel the model plugin declares is unavailable."""
+    """What will run PyTorch reference code because a kernel the model plugin declares is missing or broken."""
+    import importlib
     import importlib.util
 
     if not spec.kernels:
@@ -29,10 +30,18 @@ def kernel_report(spec: ModelSpec) -> list[str]:
         return [f"{spec.name}: no CUDA device, so {', '.join(sorted(spec.kernels))} kernels are not used; "
                 f"hybrid layers run the PyTorch reference"]
     missing = {module: package for module, package in spec.kernels.items() if importlib.util.find_spec(module) is None}
-    if not missing:
-        return []
-    return [f"{spec.name}: {', '.join(sorted(missing))} not installed; its hybrid layers fall back to the PyTorch "
-            f"reference (several times slower, see BENCHMARKS.md). Install: pip install {' '.join(missing.values())}"]
+    lines = []
+    if missing:
+        lines.append(f"{spec.name}: {', '.join(sorted(missing))} not installed; its hybrid layers fall back to the "
+                     f"PyTorch reference (several times slower, see BENCHMARKS.md). Install: pip install "
+                     f"{' '.join(missing.values())}")
+    for module in sorted(set(spec.kernels) - set(missing)):
+        try:  # installed but unusable (e.g. fla against a Triton that is too old): say why
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any import-time failure is the report
+            lines.append(f"{spec.name}: {module} is installed but does not import ({type(exc).__name__}: "
+                         f"{str(exc)[:200]}); its hybrid layers fall back to the PyTorch reference")
+    return lines
 
 
 def load_model(

@@ -26,14 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stitch.varlen import (  # noqa: F401  (cu_seqlens_from_positions, varlen_kernels_ready: re-exported)
-    cu_seqlens_from_positions,
-    fla_conv,
-    fla_kernels_importable,
-    reference_conv,
-    segments,
-    varlen_kernels_ready,
-)
+from stitch.varlen import fla_conv, flatten_packed_rows, reference_conv, segments
 
 FLA = "fla"
 REFERENCE = "reference"
@@ -70,19 +63,19 @@ BACKENDS: dict[str, tuple[Callable, Callable]] = {
 
 def mamba2_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    cu_seqlens: torch.Tensor | None = None, backend: str = FLA) -> torch.Tensor:
-    """A NemotronH Mamba-2 mixer's no-cache forward; ``cu_seqlens`` (over the flattened batch) keeps samples apart."""
+    """A NemotronH Mamba-2 mixer's no-cache forward; ``cu_seqlens`` keeps the samples of one packed row apart
+    (packed batches arrive as one row: ``stitch.varlen.flatten_packed_rows``)."""
     conv, scan = BACKENDS[backend]
     batch, seqlen, _ = hidden_states.shape
+    if cu_seqlens is not None and batch != 1:
+        raise ValueError(f"cu_seqlens needs one flattened row, got a batch of {batch} rows")
     dtype = hidden_states.dtype
     heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
     if attention_mask is not None and attention_mask.dim() == 2:  # right padding: zero it as the stock path does
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(dtype)
     projected = mixer.in_proj(hidden_states)
     gate, xbc, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, heads], dim=-1)
-    if cu_seqlens is not None and batch > 1:  # fla's varlen kernels take one flattened row
-        xbc = xbc.reshape(1, batch * seqlen, -1)
     xbc = conv(xbc.contiguous(), mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation, cu_seqlens)
-    xbc = xbc.reshape(batch, seqlen, -1)
     if attention_mask is not None and attention_mask.dim() == 2:
         xbc = (xbc * attention_mask[:, :, None]).to(dtype)
     x, b, c = xbc.split([mixer.intermediate_size, groups * state, groups * state], dim=-1)
@@ -93,10 +86,7 @@ def mamba2_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torc
     b = b.reshape(batch, seqlen, groups, state).repeat_interleave(heads // groups, dim=2)
     c = c.reshape(batch, seqlen, groups, state).repeat_interleave(heads // groups, dim=2)
     v = (x.float() * dt[..., None]).to(x.dtype)
-    shape = (1, batch * seqlen) if cu_seqlens is not None else (batch, seqlen)
-    y = scan(c.reshape(*shape, heads, state), b.reshape(*shape, heads, state), v.reshape(*shape, heads, head_dim),
-             g.reshape(*shape, heads), cu_seqlens)
-    y = y.reshape(batch, seqlen, heads, head_dim).float() + mixer.D.float()[:, None] * x.float()
+    y = scan(c, b, v, g, cu_seqlens).float() + mixer.D.float()[:, None] * x.float()
     y = mixer.norm(y.reshape(batch, seqlen, -1), gate)
     return mixer.out_proj(y.to(dtype))
 
@@ -121,6 +111,15 @@ def _mixer_class():
             return mamba2_forward(self, hidden_states, attention_mask, cu_seqlens, backend=backend)
 
     return KernelMamba2Mixer
+
+
+def use_varlen(model: torch.nn.Module, backend: str = FLA) -> int:
+    """Packed calls of ``model`` (a NemotronH causal LM) keep every sample's Mamba-2 state and conv window apart:
+    kernel mixers, plus packed rows flattened into one row carrying the sample starts. Returns the mixers swapped."""
+    swapped = install_mamba2_kernels(model, backend)
+    flatten_packed_rows(model.model)
+    model.stitch_varlen = True
+    return swapped
 
 
 def install_mamba2_kernels(model: torch.nn.Module, backend: str = FLA) -> int:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from typing import Any
 
 import torch
 
 from stitch.specs import ModelSource, ModelSpec
-from stitch_nemotron.kernels import FLA, fla_kernels_importable, install_mamba2_kernels, varlen_kernels_ready
+from stitch.varlen import varlen_kernels_ready
+from stitch_nemotron.kernels import use_varlen
 from stitch_nemotron.sentinels import SENTINELS
 from stitch_nemotron.tiny import TINY_HIDDEN, build_lightning_tiny, build_nano_tiny
 
@@ -55,22 +55,6 @@ PACKING_NOTE = (
 )
 
 
-def use_mamba2_kernels(model: Any, name: str) -> bool:
-    """On a GPU with flash-linear-attention, run the Mamba-2 mixers on its kernels with sample boundaries."""
-    if not torch.cuda.is_available():
-        return False
-    why_not = fla_kernels_importable()
-    if why_not is not None:
-        if importlib.util.find_spec("fla") is not None:  # installed but broken: say why (absent: kernel_report)
-            log.warning("%s: %s; Mamba-2 mixers fall back to the PyTorch reference", name, why_not)
-        return False
-    swapped = install_mamba2_kernels(model, FLA)
-    model.stitch_varlen = True
-    log.info("%s: %d Mamba-2 mixers run on flash-linear-attention kernels, packed with sample boundaries", name,
-             swapped)
-    return True
-
-
 def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
     """stitch's NemotronHForCausalLM (``generate(inputs_embeds=...)`` works) from safetensors via from_pretrained."""
     from stitch_nemotron.generation import NemotronHForCausalLM
@@ -78,7 +62,10 @@ def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, tr
     model = NemotronHForCausalLM.from_pretrained(
         **source.pretrained_kwargs(), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
     )
-    use_mamba2_kernels(model, spec.name)
+    if varlen_kernels_ready():  # a missing or broken fla is reported by stitch.models.kernel_report
+        swapped = use_varlen(model)
+        log.info("%s: %d Mamba-2 mixers run on flash-linear-attention kernels, packed with sample boundaries",
+                 spec.name, swapped)
     return model
 
 

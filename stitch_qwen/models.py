@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import torch
 
 from stitch.specs import ModelSource, ModelSpec
-from stitch.varlen import fla_kernels_importable, varlen_kernels_ready
+from stitch.varlen import varlen_kernels_ready
 from stitch_qwen.kernels import use_varlen
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.tiny import TINY_HIDDEN, build_qwen35_demo, build_qwen35_moe_tiny, build_qwen35_tiny
@@ -82,18 +81,14 @@ def local_snapshot(source: ModelSource) -> Path:
 def load_qwen(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
     """The text causal LM of ``spec``; on a GPU with fla, hybrid ones pack with sample boundaries."""
     model = _load_qwen(spec, source, dtype, trust_remote_code)
-    if spec.packing_when is not None and torch.cuda.is_available():
-        why_not = fla_kernels_importable()
-        if why_not is None:
-            try:
-                use_varlen(model)
-                log.info("%s: Gated DeltaNet layers run on flash-linear-attention, packed with sample boundaries",
-                         spec.name)
-            except RuntimeError as exc:  # training then stays unpacked (stitch.training checks stitch_varlen)
-                log.warning("%s: %s; training unpacked", spec.name, exc)
-        elif importlib.util.find_spec("fla") is not None:  # installed but broken: say why (absent: kernel_report)
-            log.warning("%s: %s; Gated DeltaNet layers fall back to the PyTorch reference and train unpacked",
-                        spec.name, why_not)
+    # a missing or broken fla is reported by stitch.models.kernel_report
+    if spec.packing_when is not None and varlen_kernels_ready():
+        try:
+            use_varlen(model)
+            log.info("%s: Gated DeltaNet layers run on flash-linear-attention, packed with sample boundaries",
+                     spec.name)
+        except RuntimeError as exc:  # training then stays unpacked (stitch.training checks stitch_varlen)
+            log.warning("%s: %s; training unpacked", spec.name, exc)
     return model
 
 

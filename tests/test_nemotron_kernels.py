@@ -12,14 +12,14 @@ import torch
 from stitch import varlen
 from stitch.packing import Sample, collate_packs
 from stitch.plugins import load_plugins
-from stitch_nemotron import kernels
+from stitch.varlen import cu_seqlens_from_positions
 from stitch_nemotron.generation import NemotronHForCausalLM
 from stitch_nemotron.kernels import (
     FLA,
     REFERENCE,
-    cu_seqlens_from_positions,
     install_mamba2_kernels,
     mamba2_forward,
+    use_varlen,
 )
 
 
@@ -87,8 +87,9 @@ def test_sample_starts_come_from_position_id_resets_across_rows():
 def test_packed_model_with_kernel_mixers_equals_unpacked_samples_through_the_stock_model():
     stock = tiny_model("M*-M")
     swapped = tiny_model("M*-M")
-    assert install_mamba2_kernels(swapped, REFERENCE) == 2
-    swapped.stitch_varlen = True
+    assert use_varlen(swapped, REFERENCE) == 2
+    mixers_only = tiny_model("M*-M")
+    install_mamba2_kernels(mixers_only, REFERENCE)
     samples = [Sample(f"r{i}", ids, ids, torch.empty(0)) for i, ids in
                enumerate([[5, 9, 14, 22, 31], [40, 41, 7, 66, 80, 12, 3, 3, 19], [8, 2, 60]])]
     batch = collate_packs([samples[:2], samples[2:]], pad_id=0, packed=True)
@@ -96,8 +97,7 @@ def test_packed_model_with_kernel_mixers_equals_unpacked_samples_through_the_sto
         packed = swapped(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
         alone = [stock(input_ids=torch.tensor([s.input_ids])).logits[0] for s in samples]
         # the swapped mixers without the starts behave like the stock ones (leak), so the starts did the work
-        swapped.stitch_varlen = False
-        leaky = swapped(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        leaky = mixers_only(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     assert (packed[0, :5] - alone[0]).abs().max() < 1e-4
     assert (packed[0, 5:14] - alone[1]).abs().max() < 1e-4
     assert (packed[1, :3] - alone[2]).abs().max() < 1e-4
@@ -107,8 +107,7 @@ def test_packed_model_with_kernel_mixers_equals_unpacked_samples_through_the_sto
 def test_generation_with_kernel_mixers_keeps_the_stock_cached_path():
     stock = tiny_model()
     swapped = tiny_model()
-    install_mamba2_kernels(swapped, FLA)  # on CPU with a cache the stock forward runs, so this works here
-    swapped.stitch_varlen = True
+    use_varlen(swapped, FLA)  # on CPU with a cache the stock forward runs, so this works here
     prompt = torch.tensor([[3, 14, 15, 9, 2, 6]])
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert swapped.generate(prompt, **kwargs).tolist() == stock.generate(prompt, **kwargs).tolist()
@@ -131,7 +130,7 @@ def test_unknown_backend_is_refused_by_name():
         install_mamba2_kernels(tiny_model(), "triton")
 
 
-@pytest.mark.skipif(not kernels.varlen_kernels_ready(), reason="needs a CUDA device and flash-linear-attention")
+@pytest.mark.skipif(not varlen.varlen_kernels_ready(), reason="needs a CUDA device and flash-linear-attention")
 def test_fla_backend_matches_the_reference_on_a_gpu():
     model = tiny_model(chunk=64).cuda()
     mixer = mixers(model)[0]
