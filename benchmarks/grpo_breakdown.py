@@ -2,16 +2,16 @@
 log-probs, train, refit) and rollout tokens/s, stitch against an encoder-in-the-loop baseline measured in
 the same run (issue 7, part 3).
 
-One step mirrors ``stitch.grpo._train_grpo`` part for part, through stitch's own code: prompt embeddings from
+One step runs ``stitch.grpo._train_grpo``'s parts through the same functions: prompt embeddings from
 ``StitchedModel.embed`` -> ``EmbeddedEngine.generate`` (``--prompts`` x ``--group`` sampled completions,
-sentinel ids suppressed) -> ``group_advantages`` -> ``Sample`` + ``collate_packs(packed=False)`` -> old and
-reference log-probs with ``token_logprobs`` (the reference through its ``params=`` substitution of frozen
-copies of the trainable parameters and the projector anchor) and the engine/trainer parity check -> the
-clipped surrogate + k3 KL loss, grad clipping and AdamW (``GRPOOptions`` defaults: adapter lr 1e-4,
-clip 0.2, beta 0.04, one update per batch, adapter only) -> ``engine.refit(None)`` (a no-op for the
-embedded engine; timed anyway). The LM, LoRA (r=16, alpha 32 on the ModelSpec's targets) and ``mlp2x_gelu``
-projector come from ``sft_throughput.build_stitched``; weights are random-init, so there is no verifiable
-reward: rewards are random 0/1 from a seeded generator, the same draws in both modes.
+sentinel ids suppressed) -> ``group_advantages`` -> ``micro_batches`` -> ``score_rollouts`` (old and reference
+log-probs, the reference through ``params=`` substitution of frozen copies of the trainable parameters and the
+projector anchor) and ``engine_parity`` -> ``policy_update`` (clipped surrogate + k3 KL, grad clipping, AdamW;
+``GRPOOptions`` defaults: adapter lr 1e-4, clip 0.2, beta 0.04, one update per batch, adapter only, one
+micro-batch) -> ``engine.refit(None)`` (a no-op for the embedded engine; timed anyway). The LM, LoRA (r=16,
+alpha 32 on the ModelSpec's targets) and ``mlp2x_gelu`` projector come from ``sft_throughput.build_stitched``;
+weights are random-init, so there is no verifiable reward: rewards are random 0/1 from a seeded generator, the
+same draws in both modes.
 
 Prompts: 49 image placeholders between the start/end sentinels + 40 random text tokens
 (``sft_throughput.make_samples``); cached features [1, 49, 768] bf16 on the CPU, as the cache returns them.
@@ -82,8 +82,8 @@ def run_mode(
     mode: str, model, reference, anchor, prompts, pixels, opts, args, ids, device, clip=None
 ) -> dict:
     from stitch.engines import EmbeddedEngine
-    from stitch.grpo import group_advantages, grpo_loss, token_logprobs
-    from stitch.packing import Sample, collate_packs
+    from stitch.grpo import engine_parity, group_advantages, micro_batches, policy_update, score_rollouts
+    from stitch.packing import Sample
     from stitch.training import audit_gradients
 
     with torch.no_grad():  # every mode starts from the same adapter (the warm start = the KL reference)
@@ -156,30 +156,16 @@ def run_mode(
             samples.append(
                 [Sample(s.row_id, s.input_ids + c.token_ids, [-100] * len(s.input_ids) + c.token_ids, f)]
             )
-        batch = collate_packs(samples, PAD_ID, packed=False).to(device)
+        chunks, batches = micro_batches(samples, PAD_ID, opts.micro_batch_size, device)
         lap("reward_collate")
         part["name"] = "logprobs"
-        with torch.no_grad():
-            old_lp, mask = token_logprobs(model, fed(batch), opts.temperature, suppress_ids=sentinels)
-            ref_lp, _ = token_logprobs(
-                model, fed(batch), opts.temperature, params=ref_params, suppress_ids=sentinels
-            )
-        engine_lp = torch.zeros_like(old_lp)
-        for i, c in enumerate(completions):
-            pos = mask[i].nonzero().squeeze(-1)
-            engine_lp[i, pos] = torch.tensor(c.logprobs, device=device, dtype=engine_lp.dtype)
-        parity = float((engine_lp - old_lp)[mask].abs().max()) if mask.any() else 0.0
+        old_lp, ref_lp, mask = score_rollouts(model, batches, opts.temperature, ref_params, sentinels, prepare=fed)
+        parity = engine_parity(completions, old_lp, mask)
         lap("logprobs")
         part["name"] = "train"
-        model.train()
         for _ in range(opts.updates_per_batch):
-            lp, _ = token_logprobs(model, fed(batch), opts.temperature, suppress_ids=sentinels)
-            loss, kl = grpo_loss(lp, old_lp, ref_lp, adv, mask, opts.clip_eps, opts.kl_beta)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            audit_gradients(model, allowed)
-            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
-            optimizer.step()
+            loss, kl = policy_update(model, optimizer, groups, allowed, chunks, batches, old_lp, ref_lp, adv, mask,
+                                     opts, sentinels, prepare=fed)
         lap("train")
         engine.refit(None)
         lap("refit")
@@ -192,9 +178,9 @@ def run_mode(
             "max_len": max(lengths),
             "eos_ended": sum(c.token_ids[-1] == ids["eos"] for c in completions if c.token_ids),
             "sequences": len(completions),
-            "batch_width": int(batch.input_ids.shape[1]),
-            "loss": float(loss.detach()),
-            "kl": float((kl.detach() * mask).sum() / mask.sum().clamp(min=1)),
+            "batch_width": int(batches[0].input_ids.shape[1]),
+            "loss": float(loss),
+            "kl": float((kl * mask).sum() / mask.sum().clamp(min=1)),
             "parity": parity,
         }
 

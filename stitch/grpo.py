@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +125,65 @@ def grpo_loss(lp: torch.Tensor, old_lp: torch.Tensor, ref_lp: torch.Tensor, adv:
     return per_seq.mean(), kl
 
 
+def micro_batches(samples: list[list[Sample]], pad_id: int, size: int | None,
+                  device: torch.device | str) -> tuple[list[range], list[Any]]:
+    """The step's sequences as padded batches of at most ``size`` rows (None: one batch), all one width."""
+    width = max(len(pack[0]) for pack in samples)
+    size = size or len(samples)
+    chunks = [range(i, min(i + size, len(samples))) for i in range(0, len(samples), size)]
+    batches = [collate_packs([samples[i] for i in chunk], pad_id, packed=False, length=width).to(device)
+               for chunk in chunks]
+    return chunks, batches
+
+
+def _same(batch: Any) -> Any:
+    return batch
+
+
+@torch.no_grad()
+def score_rollouts(model: Any, batches: list[Any], temperature: float, reference_params: dict[str, torch.Tensor],
+                   suppress_ids: Sequence[int], prepare: Callable[[Any], Any] = _same):
+    """(old log-probs, reference log-probs, completion mask) over all micro-batches. ``prepare`` may rewrite a
+    batch before each forward (the encoder-in-the-loop benchmark baseline re-encodes its images there)."""
+    old = [token_logprobs(model, prepare(b), temperature, suppress_ids=suppress_ids) for b in batches]
+    ref = [token_logprobs(model, prepare(b), temperature, params=reference_params, suppress_ids=suppress_ids)[0]
+           for b in batches]
+    return torch.cat([lp for lp, _ in old]), torch.cat(ref), torch.cat([m for _, m in old])
+
+
+def engine_parity(completions: Sequence[Any], old_lp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Largest gap between the engine's log-prob of a sampled token and the training forward's."""
+    engine_lp = torch.zeros_like(old_lp)
+    for i, c in enumerate(completions):
+        pos = mask[i].nonzero().squeeze(-1)
+        engine_lp[i, pos] = torch.tensor(c.logprobs, device=old_lp.device, dtype=engine_lp.dtype)
+    return float((engine_lp - old_lp)[mask].abs().max()) if mask.any() else 0.0
+
+
+def policy_update(model: Any, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
+                  allowed: tuple[str, ...], chunks: list[range], batches: list[Any], old_lp: torch.Tensor,
+                  ref_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions,
+                  suppress_ids: Sequence[int], prepare: Callable[[Any], Any] = _same) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over all micro-batches, gradients accumulated; returns (loss, per-token kl)."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total = chunks[-1].stop
+    loss, kls = torch.zeros((), device=old_lp.device), []
+    for chunk, b in zip(chunks, batches, strict=True):
+        part = slice(chunk.start, chunk.stop)
+        lp, _ = token_logprobs(model, prepare(b), opts.temperature, suppress_ids=suppress_ids)
+        chunk_loss, chunk_kl = grpo_loss(lp, old_lp[part], ref_lp[part], adv[part], mask[part], opts.clip_eps,
+                                         opts.kl_beta)
+        # the step's loss is a mean over sequences: weight each chunk by its share of them
+        weighted = chunk_loss * (len(chunk) / total)
+        weighted.backward()
+        loss, kls = loss + weighted.detach(), kls + [chunk_kl.detach()]
+    audit_gradients(model, allowed)
+    torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+    optimizer.step()
+    return loss, torch.cat(kls)
+
+
 def projector_drift(projector: torch.nn.Module, anchor: dict[str, torch.Tensor]) -> float:
     num = sum(float((p.detach() - anchor[n]).pow(2).sum()) for n, p in projector.named_parameters())
     den = sum(float(anchor[n].pow(2).sum()) for n, _ in projector.named_parameters())
@@ -220,43 +279,17 @@ def _train_grpo(recipe: Recipe, out_dir: Path, cleanup: ExitStack, *, resume: bo
         for c in completions:
             ids, f = prompts[c.prompt_index]
             samples.append([Sample(drawn[c.prompt_index].id, ids + c.token_ids, [-100] * len(ids) + c.token_ids, f)])
-        width = max(len(pack[0]) for pack in samples)
-        size = opts.micro_batch_size or len(samples)
-        chunks = [range(i, min(i + size, len(samples))) for i in range(0, len(samples), size)]
-        batches = [collate_packs([samples[i] for i in chunk], session.pad_id, packed=False, length=width)
-                   .to(session.device) for chunk in chunks]
+        chunks, batches = micro_batches(samples, session.pad_id, opts.micro_batch_size, session.device)
         t1 = time.perf_counter()
         reference_params = {**reference, **{f"projector.{n}": t for n, t in anchor.items()}}
-        with torch.no_grad():
-            old = [token_logprobs(model, b, opts.temperature, suppress_ids=sentinels) for b in batches]
-            old_lp, mask = torch.cat([lp for lp, _ in old]), torch.cat([m for _, m in old])
-            ref_lp = torch.cat([token_logprobs(model, b, opts.temperature, params=reference_params,
-                                               suppress_ids=sentinels)[0] for b in batches])
-        engine_lp = torch.zeros_like(old_lp)
-        for i, c in enumerate(completions):
-            pos = mask[i].nonzero().squeeze(-1)
-            engine_lp[i, pos] = torch.tensor(c.logprobs, device=session.device, dtype=engine_lp.dtype)
-        parity = float((engine_lp - old_lp)[mask].abs().max()) if mask.any() else 0.0
+        old_lp, ref_lp, mask = score_rollouts(model, batches, opts.temperature, reference_params, sentinels)
+        parity = engine_parity(completions, old_lp, mask)
         timings["logprobs"] += time.perf_counter() - t1
         drift = projector_drift(model.projector, anchor) if opts.train_projector else None
         t2 = time.perf_counter()
-        model.train()
         for _ in range(opts.updates_per_batch):
-            optimizer.zero_grad(set_to_none=True)
-            loss, kls = torch.zeros((), device=session.device), []
-            for chunk, b in zip(chunks, batches, strict=True):
-                part = slice(chunk.start, chunk.stop)
-                lp, _ = token_logprobs(model, b, opts.temperature, suppress_ids=sentinels)
-                chunk_loss, chunk_kl = grpo_loss(lp, old_lp[part], ref_lp[part], adv[part], mask[part],
-                                                 opts.clip_eps, opts.kl_beta)
-                # the step's loss is a mean over sequences: weight each chunk by its share of them
-                weighted = chunk_loss * (len(chunk) / len(samples))
-                weighted.backward()
-                loss, kls = loss + weighted.detach(), kls + [chunk_kl.detach()]
-            kl = torch.cat(kls)
-            audit_gradients(model, allowed)
-            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
-            optimizer.step()
+            loss, kl = policy_update(model, optimizer, groups, allowed, chunks, batches, old_lp, ref_lp, adv, mask,
+                                     opts, sentinels)
         timings["train"] += time.perf_counter() - t2
         t3 = time.perf_counter()
         engine.refit(None)
