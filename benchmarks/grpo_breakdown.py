@@ -2,7 +2,7 @@
 log-probs, train, refit) and rollout tokens/s, stitch against an encoder-in-the-loop baseline measured in
 the same run (issue 7, part 3).
 
-One step runs ``stitch.grpo._train_grpo``'s parts through the same functions: prompt embeddings from
+One step runs ``stitch.stages.grpo._train_grpo``'s parts through the same functions: prompt embeddings from
 ``StitchedModel.embed`` -> ``EmbeddedEngine.generate`` (``--prompts`` x ``--group`` sampled completions,
 sentinel ids suppressed) -> ``group_advantages`` -> ``micro_batches`` -> ``score_rollouts`` (old and reference
 log-probs, the reference through ``params=`` substitution of frozen copies of the trainable parameters and the
@@ -81,10 +81,16 @@ def build_policy(args, host, device):
 def run_mode(
     mode: str, model, reference, anchor, prompts, pixels, opts, args, ids, device, clip=None
 ) -> dict:
-    from stitch.engines import EmbeddedEngine
-    from stitch.grpo import engine_parity, group_advantages, micro_batches, policy_update, score_rollouts
-    from stitch.packing import Sample
-    from stitch.training import audit_gradients
+    from stitch.data.packing import Sample
+    from stitch.rollout.engines import EmbeddedEngine
+    from stitch.stages.grpo import (
+        engine_parity,
+        group_advantages,
+        micro_batches,
+        policy_update,
+        score_rollouts,
+    )
+    from stitch.stages.supervised import audit_gradients
 
     with torch.no_grad():  # every mode starts from the same adapter (the warm start = the KL reference)
         for n, p in model.named_parameters():
@@ -252,7 +258,7 @@ def summarize(info: dict, opts, modes: dict, args) -> dict:
         "grpo_options": dataclasses.asdict(opts),
         "rewards": "random 0/1 from a seeded torch.Generator (random-init weights: no verifiable reward); "
         "the same draws in both modes",
-        "engine": "stitch.engines.EmbeddedEngine (transformers generate on the live policy)",
+        "engine": "stitch.rollout.engines.EmbeddedEngine (transformers generate on the live policy)",
         "timing": "torch.cuda.synchronize at every part boundary and around each baseline CLIP call; "
         "median over the timed steps after --warmup steps",
         "estimates": {
@@ -301,7 +307,7 @@ def print_table(out: dict) -> None:
 
 
 def main() -> None:
-    from stitch.grpo import GRPOOptions
+    from stitch.stages.grpo import GRPOOptions
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="dense4b", choices=("dense4b", "qwen35_4b", "nemotron4b"))

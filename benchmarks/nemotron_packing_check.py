@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from stitch.packing import PackedStream, collate_packs
-from stitch.recipe import load_recipe
-from stitch.session import StitchSession
+from stitch.config.recipe import load_recipe
+from stitch.data.packing import PackedStream, collate_packs
+from stitch.stages.session import StitchSession
 
 recipe = load_recipe(Path(sys.argv[1]))
 session = StitchSession.open(recipe, Path(sys.argv[2]))

@@ -18,7 +18,7 @@ Each variant's features are compared with ``eager``'s (max |diff|, cosine) so a 
 
 End to end (synthetic PNGs written on the device first, noisy photo-like content): a ``DataLoader`` with worker
 processes decodes + preprocesses, the main process encodes and writes a safetensors shard per 1,024 images
-(stitch.prepare.write_shard, atomic) from a background thread:
+(stitch.data.prepare.write_shard, atomic) from a background thread:
 
 * ``e2e_stitch``  workers: stitch_clip's ``decode_image`` + ``CLIPImageProcessor`` (CLIP mean/std, shortest
                   edge 224, centre crop) -> float32 pixels; main: eager encode (stitch's code path today)
@@ -249,12 +249,12 @@ def _worker_init(_: int) -> None:
 
 
 class ShardWriter:
-    """Writes feature shards from a background thread (stitch.prepare.write_shard: temp file + rename)."""
+    """Writes feature shards from a background thread (stitch.data.prepare.write_shard: temp file + rename)."""
 
     def __init__(self, folder: Path) -> None:
         try:
-            from stitch.prepare import write_shard
-        except Exception:  # pragma: no cover - stitch.prepare's deps missing
+            from stitch.data.prepare import write_shard
+        except Exception:  # pragma: no cover - stitch.data.prepare's deps missing
             from safetensors.torch import save_file
 
             def write_shard(path, features, metadata):

@@ -6,7 +6,7 @@ next-token CE), ``collate_packs``, ``PackedStream`` (next-fit packing over a bou
 ids reset per sample, ``attention_mask=None`` -> block-causal), the projector from the ``projectors`` registry
 (``mlp2x_gelu``) and LoRA r=16 / alpha 32 on the model plugin's ``lora_target_modules`` (as
 ``StitchSession.build_model`` does). One training step = collate + fwd + bwd + grad clip + AdamW step
-(projector lr 1e-3, adapter lr 3e-3, as ``stitch.training``). Weights are random-init, built in code from
+(projector lr 1e-3, adapter lr 3e-3, as ``stitch.stages.supervised``). Weights are random-init, built in code from
 the full-size configs (speed does not depend on values; nothing is downloaded).
 
 Modes (same pool of samples: 49 image tokens between start/end sentinels + 30-300 text tokens, lengths
@@ -175,7 +175,7 @@ def plugin_host():
     import stitch_clip
     import stitch_nemotron
     import stitch_qwen
-    from stitch.plugins import load_plugins
+    from stitch.plugins.host import load_plugins
 
     return load_plugins(
         extra={"stitch-clip": stitch_clip, "stitch-qwen": stitch_qwen, "stitch-nemotron": stitch_nemotron},
@@ -187,8 +187,8 @@ def plugin_host():
 
 
 def make_samples(n: int, vocab: int, ids: dict, lo: int, hi: int, seed: int, pixel_pool: int, smoke: bool):
-    """Samples (stitch.packing.Sample, features on CPU as the cache returns them) + a pool of raw pixels."""
-    from stitch.packing import Sample
+    """Samples (stitch.data.packing.Sample, features on CPU as the cache returns them) + a pool of raw pixels."""
+    from stitch.data.packing import Sample
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -222,7 +222,7 @@ def write_manifest(n: int, folder: Path) -> Path:
 def build_stitched(shape: str, args, host, device):
     from peft import LoraConfig, get_peft_model
 
-    from stitch.stitched import StitchedModel
+    from stitch.model.stitched import StitchedModel
 
     cls, cfg, spec_name = build_lm(shape, args.smoke)
     spec = host.get("models", spec_name)
@@ -232,7 +232,7 @@ def build_stitched(shape: str, args, host, device):
     lm.requires_grad_(False)
     kernel_path = None
     if shape != "dense4b":  # what load_nemotron_h / load_qwen do for a real checkpoint
-        from stitch.varlen import varlen_kernels_ready
+        from stitch.model.varlen import varlen_kernels_ready
 
         if shape == "nemotron4b":
             from stitch_nemotron.kernels import use_varlen
@@ -317,7 +317,7 @@ def clip_features(clip, pixels: torch.Tensor, smoke: bool) -> torch.Tensor:
 
 
 def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, info, device) -> dict:
-    from stitch.packing import PackedStream, collate_packs
+    from stitch.data.packing import PackedStream, collate_packs
 
     pad_id = 0
     clip = clip_tower(device, args.smoke) if mode == "baseline" else None
@@ -467,7 +467,7 @@ def mamba2_parity(model) -> dict:
 
 def packing_parity(model, samples, budget: int, device) -> dict:
     """Loss of one packed row against the same samples one per padded row (a hybrid must keep them apart)."""
-    from stitch.packing import collate_packs
+    from stitch.data.packing import collate_packs
 
     pack, used = [], 0
     for s in samples:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from stitch.hookspecs import hookimpl
-from stitch.payloads import feature_payload_spec
+from stitch.api import feature_payload_spec, hookimpl
 from stitch_clip.encoder import CLIP_B32, CLIP_TINY, FEATURE_WIDTH, TOKENS_PER_ITEM
 
 __all__ = ["register_encoders", "register_rollout_payloads"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from stitch.specs import EncoderSpec, ModelSource
+from stitch.api import EncoderSpec, ModelSource
 
 FEATURE_WIDTH = 768
 TOKENS_PER_ITEM = 49  # (224 / 32) ** 2 patches; the CLS token is dropped

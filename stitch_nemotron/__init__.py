@@ -5,7 +5,7 @@ Models load as stitch's ``NemotronHForCausalLM`` (stock class plus ``generate(in
 
 from __future__ import annotations
 
-from stitch.hookspecs import hookimpl
+from stitch.api import hookimpl
 from stitch_nemotron.models import MODELS
 from stitch_nemotron.sentinels import SENTINELS
 
@@ -27,7 +27,7 @@ def register_token_sentinels(register):
 def register_recipes(register):
     from pathlib import Path
 
-    from stitch.recipe import shipped_recipes
+    from stitch.api import shipped_recipes
 
     for spec in shipped_recipes(Path(__file__).parent / "recipes"):
         register(spec)

@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from stitch.specs import ModelSource, ModelSpec
-from stitch.varlen import varlen_kernels_ready
+from stitch.api import ModelSource, ModelSpec, varlen_kernels_ready
 from stitch_nemotron.kernels import use_varlen
 from stitch_nemotron.sentinels import SENTINELS
 from stitch_nemotron.tiny import TINY_HIDDEN, build_lightning_tiny, build_nano_tiny
@@ -62,7 +61,7 @@ def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, tr
     model = NemotronHForCausalLM.from_pretrained(
         **source.pretrained_kwargs(), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
     )
-    if varlen_kernels_ready():  # a missing or broken fla is reported by stitch.models.kernel_report
+    if varlen_kernels_ready():  # a missing or broken fla is reported by stitch.model.loading.kernel_report
         swapped = use_varlen(model)
         log.info("%s: %d Mamba-2 mixers run on flash-linear-attention kernels, packed with sample boundaries",
                  spec.name, swapped)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stitch.specs import SentinelSpec
+from stitch.api import SentinelSpec
 
 # The Nemotron-H tokenizer (131,072 entries, Tekken-derived) reserves its first 1,000 ids as <SPECIAL_N> control
 # tokens, each a single token. Releases have renamed low slots for chat, think and tool markers (e.g.

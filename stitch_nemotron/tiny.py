@@ -17,7 +17,7 @@ def config_kwargs(tokenizer_dir: Path, layers: list[str]) -> dict[str, Any]:
     """Shape shared by both presets: Mamba-2 (4 heads x 32), GQA attention with head dim 64."""
     from transformers import AutoTokenizer
 
-    from stitch.tiny import padded_vocab_size
+    from stitch.api import padded_vocab_size
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return {
@@ -46,7 +46,7 @@ def write_snapshot(out_dir: Path, layers: list[str], **extra: Any) -> None:
     import torch
     from transformers import GenerationConfig, NemotronHConfig
 
-    from stitch.tiny import chatml_template, train_tokenizer
+    from stitch.api import chatml_template, train_tokenizer
     from stitch_nemotron.generation import NemotronHForCausalLM
 
     train_tokenizer(

@@ -3,7 +3,7 @@
 transformers already hands ``cu_seq_lens_q`` to the Gated DeltaNet rule (fla's varlen ``chunk_gated_delta_rule``
 when fla is installed), but its short causal conv ignores it, and fla's varlen kernels take one flattened row.
 stitch closes both gaps: ``use_varlen`` flattens packed rows into one row carrying the sample starts
-(``stitch.varlen.flatten_packed_rows``) and wraps the two module-level functions the layer calls so that, given
+(``stitch.model.varlen.flatten_packed_rows``) and wraps the two module-level functions the layer calls so that, given
 the starts, the conv restarts at each sample (fla's varlen conv on a GPU) and, off the GPU, the rule runs sample by
 sample on transformers' own PyTorch code. Without starts both wrappers call the original unchanged.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stitch.varlen import fla_conv, fla_kernels_importable, flatten_packed_rows, reference_conv, segments
+from stitch.api import fla_conv, fla_kernels_importable, flatten_packed_rows, reference_conv, segments
 
 MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
 

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from stitch.specs import ModelSource, ModelSpec
-from stitch.varlen import varlen_kernels_ready
+from stitch.api import ModelSource, ModelSpec, varlen_kernels_ready
 from stitch_qwen.kernels import use_varlen
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.tiny import TINY_HIDDEN, build_qwen35_demo, build_qwen35_moe_tiny, build_qwen35_tiny
@@ -81,13 +80,13 @@ def local_snapshot(source: ModelSource) -> Path:
 def load_qwen(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
     """The text causal LM of ``spec``; on a GPU with fla, hybrid ones pack with sample boundaries."""
     model = _load_qwen(spec, source, dtype, trust_remote_code)
-    # a missing or broken fla is reported by stitch.models.kernel_report
+    # a missing or broken fla is reported by stitch.model.loading.kernel_report
     if spec.packing_when is not None and varlen_kernels_ready():
         try:
             use_varlen(model)
             log.info("%s: Gated DeltaNet layers run on flash-linear-attention, packed with sample boundaries",
                      spec.name)
-        except RuntimeError as exc:  # training then stays unpacked (stitch.training checks stitch_varlen)
+        except RuntimeError as exc:  # training then stays unpacked (stitch.stages.supervised checks stitch_varlen)
             log.warning("%s: %s; training unpacked", spec.name, exc)
     return model
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stitch.specs import SentinelSpec
+from stitch.api import SentinelSpec
 
 SENTINELS = SentinelSpec(
     name="qwen3.5",

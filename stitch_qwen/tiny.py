@@ -17,7 +17,7 @@ def text_config_kwargs(tokenizer_dir: Path) -> dict[str, Any]:
     """Shape shared by both tiny presets: one Gated DeltaNet layer, one full-attention layer, head dim 64."""
     from transformers import AutoTokenizer
 
-    from stitch.tiny import padded_vocab_size
+    from stitch.api import padded_vocab_size
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return {
@@ -46,7 +46,7 @@ def write_snapshot(out_dir: Path, config_cls: type, model_cls: type, **extra: An
     import torch
     from transformers import GenerationConfig
 
-    from stitch.tiny import chatml_template, train_tokenizer
+    from stitch.api import chatml_template, train_tokenizer
 
     train_tokenizer(out_dir, SPECIAL_TOKENS, eos_token=EOS, pad_token=PAD, chat_template=chatml_template())
     config = config_cls(**{**text_config_kwargs(out_dir), **extra})
@@ -85,7 +85,7 @@ def build_qwen35_demo(out_dir: Path) -> None:
     pre-trained on task-style chat text so LoRA + projector can learn in minutes on a CPU."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from stitch.pretrain import pretrain_in_place
+    from stitch.api import pretrain_in_place
 
     write_snapshot(out_dir, Qwen3_5TextConfig, Qwen3_5ForCausalLM, layer_types=["full_attention"] * 2)
     pretrain_in_place(out_dir, SENTINELS.tokens, steps=300, batch_size=32)

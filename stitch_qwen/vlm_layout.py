@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from stitch.specs import StateDictAdapterSpec
+from stitch.api import StateDictAdapterSpec
 
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 TEXT_MODEL_PREFIX = "model."

@@ -24,7 +24,7 @@ def stitch_cache(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def host():
     """A freshly loaded PluginHost (installed plugins, env filters applied)."""
-    from stitch.plugins import load_plugins
+    from stitch.plugins.host import load_plugins
 
     return load_plugins()
 
@@ -34,9 +34,9 @@ def prepared(tmp_path_factory, stitch_cache):
     """A small prepared run directory (the demo base, tiny CLIP) with a finished alignment stage."""
     from stitch_testing import write_recipe
 
-    from stitch.prepare import prepare
-    from stitch.recipe import load_recipe
-    from stitch.training import train_stage
+    from stitch.config.recipe import load_recipe
+    from stitch.data.prepare import prepare
+    from stitch.stages.supervised import train_stage
 
     root = tmp_path_factory.mktemp("prepared")
     recipe = load_recipe(write_recipe(root / "small.yaml"))
@@ -52,8 +52,8 @@ def sft_run(prepared, tmp_path_factory):
 
     from stitch_testing import write_recipe
 
-    from stitch.recipe import load_recipe
-    from stitch.training import train_stage
+    from stitch.config.recipe import load_recipe
+    from stitch.stages.supervised import train_stage
 
     root = tmp_path_factory.mktemp("sft-run")
     shutil.copytree(prepared / "run", root / "run")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stitch.artifacts import (
+from stitch.model.artifacts import (
     MANIFEST_NAME,
     PROVENANCE_FIELDS,
     WEIGHTS_NAME,
@@ -16,7 +16,7 @@ from stitch.artifacts import (
     load_projector_artifact,
     save_projector_artifact,
 )
-from stitch.projector import MLP2xGeluProjector
+from stitch.model.projector import MLP2xGeluProjector
 
 PROVENANCE = {
     "encoder": "clip-tiny",
@@ -110,7 +110,7 @@ def test_overwrite_is_atomic_and_a_failed_write_keeps_the_previous_artifact(tmp_
     path = save_projector_artifact(tmp_path / "projector", projector, PROVENANCE)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
 
-    import stitch.artifacts as artifacts
+    import stitch.model.artifacts as artifacts
 
     def broken_write(*args, **kwargs):
         raise OSError("disk full")

@@ -7,11 +7,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stitch.collator import Collator, CollatorError, prompt_token_ids, render_prompt, tokenize_example
-from stitch.scatter import PlaceholderCountError, scatter_soft_tokens
-from stitch.sentinels import resolve_sentinels
-from stitch.specs import SentinelSpec
-from stitch.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, SHAPES, answer_text, chatml_template
+from stitch.data.collator import Collator, CollatorError, prompt_token_ids, render_prompt, tokenize_example
+from stitch.data.sentinels import resolve_sentinels
+from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, SHAPES, answer_text, chatml_template
+from stitch.model.scatter import PlaceholderCountError, scatter_soft_tokens
+from stitch.plugins.specs import SentinelSpec
 
 # two tokenizer families with different sentinel strings, as the Qwen and Nemotron plugins have
 QWEN_LIKE = SentinelSpec("qwen-like", "<|vision_start|>", "<|vision_pad|>", "<|vision_end|>")
@@ -21,7 +21,7 @@ NEMOTRON_LIKE = SentinelSpec("nemotron-like", "<SPECIAL_100>", "<SPECIAL_101>", 
 def _tokenizer(tmp_path_factory, sentinels: SentinelSpec, pad: str, eos: str):
     from transformers import AutoTokenizer
 
-    from stitch.tiny import train_tokenizer
+    from stitch.demo.tiny import train_tokenizer
 
     out = tmp_path_factory.mktemp(sentinels.name)
     train_tokenizer(out, (pad, "<|im_start|>", eos, *sentinels.tokens), eos_token=eos, pad_token=pad,

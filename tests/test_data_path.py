@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from stitch.feature_cache import (
+from stitch.config.recipe import HubSource, LocalSource, RecipeError, load_recipe, parse_recipe
+from stitch.data.feature_cache import (
     CACHE_DIRNAME,
     MANIFEST_NAME,
     FeatureCacheError,
@@ -19,9 +20,8 @@ from stitch.feature_cache import (
     PreparedData,
     UnknownRowError,
 )
-from stitch.projector import FeatureWidthError, check_feature_width
-from stitch.recipe import HubSource, LocalSource, RecipeError, load_recipe, parse_recipe
-from stitch.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, SHAPES, SIZES, answer_text
+from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, SHAPES, SIZES, answer_text
+from stitch.model.projector import FeatureWidthError, check_feature_width
 
 BASE = {
     "name": "t",
@@ -143,7 +143,7 @@ def test_shipped_demo_recipe_names_registered_specs_and_its_stages_use_its_parti
 
 
 def test_demo_rows_are_deterministic_use_the_tiny_vocabulary_and_state_the_count():
-    from stitch.demo_data import make_rows
+    from stitch.demo.data import make_rows
 
     rows = make_rows(30, caption_rows=10, seed=0)
     assert rows == make_rows(30, caption_rows=10, seed=0)
@@ -166,7 +166,7 @@ def test_demo_image_is_a_224px_png_with_one_blob_per_counted_object():
 
     from PIL import Image
 
-    from stitch.demo_data import BACKGROUND, make_rows
+    from stitch.demo.data import BACKGROUND, make_rows
 
     for row in make_rows(6, seed=2):
         image = Image.open(io.BytesIO(row["image"]["bytes"]))
@@ -193,7 +193,7 @@ def test_demo_image_is_a_224px_png_with_one_blob_per_counted_object():
 def test_demo_dataset_streams_back_through_datasets_with_an_image_column(tmp_path):
     from datasets import Image, load_dataset
 
-    from stitch.demo_data import write_counting_shapes
+    from stitch.demo.data import write_counting_shapes
 
     parquet = write_counting_shapes(tmp_path, rows=5, caption_rows=2, seed=0)
     stream = load_dataset("parquet", data_files=str(parquet), split="train", streaming=True,
@@ -208,7 +208,7 @@ def test_demo_dataset_streams_back_through_datasets_with_an_image_column(tmp_pat
 
 
 def _prepared_dir(tmp_path: Path, shard: str = "abc.safetensors", index: int = 1) -> Path:
-    from stitch.prepare import write_shard
+    from stitch.data.prepare import write_shard
 
     root = tmp_path / "prepared"
     (root / CACHE_DIRNAME).mkdir(parents=True)

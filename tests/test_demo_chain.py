@@ -58,9 +58,9 @@ def test_sft_learns_to_count_far_above_chance(demo_run):
 
 
 def test_zeroed_features_control_scores_near_chance(demo_run):
-    from stitch.evaluation import evaluate_accuracy
-    from stitch.recipe import load_recipe
-    from stitch.session import StitchSession
+    from stitch.config.recipe import load_recipe
+    from stitch.stages.evaluation import evaluate_accuracy
+    from stitch.stages.session import StitchSession
 
     out, _ = demo_run
     session = StitchSession.open(load_recipe("demo"), out)

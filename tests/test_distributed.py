@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 from stitch_testing import copy_prepared, write_recipe
 
-from stitch.recipe import RecipeError, load_recipe
-from stitch.training import StageOptions, train_stage
-from stitch.validate import check_launch, validate_recipe
+from stitch.config.recipe import RecipeError, load_recipe
+from stitch.config.validate import check_launch, validate_recipe
+from stitch.stages.supervised import StageOptions, train_stage
 
 REL = 1e-5  # one process vs two on the same global batch: fp32 summation order only
 
@@ -55,8 +55,8 @@ def _with_alignment(prepared: Path, run: Path) -> Path:
 SCRIPT = """
 import sys
 from pathlib import Path
-from stitch.recipe import load_recipe
-from stitch.training import train_stage
+from stitch.config.recipe import load_recipe
+from stitch.stages.supervised import train_stage
 
 recipe = load_recipe(sys.argv[1])
 train_stage(recipe, "alignment", Path(sys.argv[2]), progress=False)

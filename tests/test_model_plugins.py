@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stitch.models import load_model, load_tokenizer
-from stitch.plugins import FIRST_PARTY, load_plugins
-from stitch.sentinels import SentinelError, resolve_sentinels
-from stitch.snapshots import ensure_snapshot
-from stitch.specs import ModelSource, SentinelSpec
-from stitch.tiny import padded_vocab_size
+from stitch.data.sentinels import SentinelError, resolve_sentinels
+from stitch.demo.tiny import padded_vocab_size
+from stitch.model.loading import load_model, load_tokenizer
+from stitch.model.snapshots import ensure_snapshot
+from stitch.plugins.host import FIRST_PARTY, load_plugins
+from stitch.plugins.specs import ModelSource, SentinelSpec
 
 TINY = ("qwen3.5-tiny", "qwen3.5-moe-tiny", "nemotron-nano-tiny", "nemotron-lightning-tiny")
 QWEN_TINY = ("qwen3.5-tiny", "qwen3.5-moe-tiny")

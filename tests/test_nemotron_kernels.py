@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stitch import varlen
-from stitch.packing import Sample, collate_packs
-from stitch.plugins import load_plugins
-from stitch.varlen import cu_seqlens_from_positions
+from stitch.data.packing import Sample, collate_packs
+from stitch.model import varlen
+from stitch.model.varlen import cu_seqlens_from_positions
+from stitch.plugins.host import load_plugins
 from stitch_nemotron.generation import NemotronHForCausalLM
 from stitch_nemotron.kernels import (
     FLA,

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from stitch import hookspecs
-from stitch.hookspecs import hookimpl
-from stitch.plugins import KINDS, PluginError, RegistryLookupError, load_plugins
-from stitch.specs import (
+from stitch.plugins import hookspecs
+from stitch.plugins.hookspecs import hookimpl
+from stitch.plugins.host import KINDS, PluginError, RegistryLookupError, load_plugins
+from stitch.plugins.specs import (
     EncoderSpec,
     ModelSource,
     ModelSpec,
@@ -51,8 +51,8 @@ def site(tmp_path, monkeypatch):
 
 
 GOOD = """
-from stitch.hookspecs import hookimpl
-from stitch.specs import ProjectorSpec
+from stitch.plugins.hookspecs import hookimpl
+from stitch.plugins.specs import ProjectorSpec
 @hookimpl
 def register_projectors(register):
     register(ProjectorSpec(name="{name}", build=lambda w, h: None))
@@ -83,7 +83,7 @@ def test_misspelled_hook_implementation_fails_naming_the_plugin(site):
         "fake-typo",
         "fake_typo",
         """
-        from stitch.hookspecs import hookimpl
+        from stitch.plugins.hookspecs import hookimpl
         @hookimpl
         def register_encoder(register):
             pass
@@ -99,8 +99,8 @@ def test_hook_that_raises_is_reported_and_its_registrations_dropped(site):
         "fake-raises",
         "fake_raises",
         """
-        from stitch.hookspecs import hookimpl
-        from stitch.specs import ProjectorSpec
+        from stitch.plugins.hookspecs import hookimpl
+        from stitch.plugins.specs import ProjectorSpec
         @hookimpl
         def register_projectors(register):
             register(ProjectorSpec(name="half", build=lambda w, h: None))
@@ -118,7 +118,7 @@ def test_wrong_spec_type_is_refused_naming_plugin_and_expected_type(site):
         "fake-wrongtype",
         "fake_wrongtype",
         """
-        from stitch.hookspecs import hookimpl
+        from stitch.plugins.hookspecs import hookimpl
         @hookimpl
         def register_encoders(register):
             register({"name": "x"})
@@ -245,7 +245,7 @@ def test_cli_with_only_qwen_enabled_lists_only_qwen_and_clip_lookup_names_the_pl
         capture_output=True, text=True, check=True, env=env,
     ).stdout
     assert [p["name"] for p in json.loads(out)["plugins"]] == ["stitch-qwen"]
-    code = "from stitch.plugins import get_host; get_host().get('encoders', 'clip-vit-base-patch32')"
+    code = "from stitch.plugins.host import get_host; get_host().get('encoders', 'clip-vit-base-patch32')"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert res.returncode != 0 and "stitch-clip" in res.stderr and "pip install" in res.stderr
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 import yaml
 
-from stitch.feature_cache import CACHE_DIRNAME, MANIFEST_NAME, PreparedData
-from stitch.prepare import BudgetExceeded, PrepareError, prepare
-from stitch.recipe import load_recipe
+from stitch.config.recipe import load_recipe
+from stitch.data.feature_cache import CACHE_DIRNAME, MANIFEST_NAME, PreparedData
+from stitch.data.prepare import BudgetExceeded, PrepareError, prepare
 
 pytest.importorskip("stitch_clip", reason="the tiny CLIP encoder comes from the stitch-clip plugin")
 
@@ -72,7 +72,7 @@ def clip(host_module):
 
 @pytest.fixture(scope="module")
 def host_module():
-    from stitch.plugins import load_plugins
+    from stitch.plugins.host import load_plugins
 
     return load_plugins()
 
@@ -97,7 +97,7 @@ def test_prepare_writes_manifest_rows_with_features_text_and_provenance(tmp_path
     features = data.features(counting)
     assert features.shape == (1, TOKENS, WIDTH) and features.dtype == torch.float16
     # the cached features are the encoder's output for that row's image, not a neighbour's
-    from stitch.demo_data import make_rows
+    from stitch.demo.data import make_rows
 
     decode = host_module.get("encoders", ENCODER).decode_item
     own, neighbour = (clip.encode([decode(r["image"])]).float() for r in make_rows(14, 12)[12:14])
@@ -153,9 +153,9 @@ def test_interrupted_prepare_resumes_without_reencoding_finished_shards(tmp_path
 KILL_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, torch
-    from stitch.plugins import load_plugins
-    from stitch.prepare import prepare
-    from stitch.recipe import load_recipe
+    from stitch.plugins.host import load_plugins
+    from stitch.data.prepare import prepare
+    from stitch.config.recipe import load_recipe
 
     host = load_plugins()
     spec = host.get("encoders", "clip-tiny")
@@ -198,7 +198,7 @@ def _corrupt_parquet(tmp_path: Path) -> Path:
     import pyarrow.parquet as pq
     from datasets import Dataset, Features, Image, Value
 
-    from stitch.demo_data import make_rows
+    from stitch.demo.data import make_rows
 
     rows = make_rows(20, 0, seed=3)
     rows[5]["image"] = {"bytes": b"definitely not a png", "path": "broken.png"}
@@ -250,7 +250,7 @@ def test_retained_budget_refuses_before_encoding_anything(tmp_path, clip, host_m
 
 
 def test_transient_budget_stops_and_the_temporary_cache_is_removed(tmp_path, clip, host_module, monkeypatch):
-    import stitch.prepare as prep
+    import stitch.data.prepare as prep
 
     seen: list[Path] = []
     real_open = prep.open_stream
@@ -277,7 +277,7 @@ def test_prepare_streams_through_its_own_temp_cache_and_never_the_global_one(tmp
     private_tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))  # so other processes' runs cannot interfere
     opened: list[Path] = []
-    import stitch.prepare as prep
+    import stitch.data.prepare as prep
 
     real_open = prep.open_stream
     monkeypatch.setattr(prep, "open_stream", lambda source, cache: opened.append(cache) or real_open(source, cache))
@@ -336,7 +336,7 @@ def test_cli_prepare_reports_a_bad_recipe_field_without_a_traceback(tmp_path):
 
 
 def _write_images(folder: Path, n: int) -> list[str]:
-    from stitch.demo_data import make_rows
+    from stitch.demo.data import make_rows
 
     folder.mkdir(parents=True, exist_ok=True)
     names = []

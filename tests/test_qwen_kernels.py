@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stitch.models import load_model
-from stitch.packing import Sample, collate_packs
-from stitch.plugins import load_plugins
-from stitch.varlen import varlen_kernels_ready
+from stitch.data.packing import Sample, collate_packs
+from stitch.model.loading import load_model
+from stitch.model.varlen import varlen_kernels_ready
+from stitch.plugins.host import load_plugins
 from stitch_qwen.kernels import _conv, _rule, patch_gated_deltanet, use_varlen
 
 SAMPLES = [[5, 9, 14, 22, 31, 8], [40, 41, 7, 66, 80, 12, 3, 3, 19, 27, 11], [8, 2, 60, 61], [17, 4, 4, 90, 5]]
@@ -77,7 +77,7 @@ def test_fla_packed_rows_equal_each_sample_alone_on_a_gpu(name):
 
 
 def test_training_packs_a_hybrid_only_when_its_loader_installed_the_sample_start_path():
-    from stitch.training import _carries_sample_starts
+    from stitch.stages.supervised import _carries_sample_starts
 
     model = load_model(load_plugins().get("models", "qwen3.5-tiny"))
     wrapped = torch.nn.ModuleDict({"lm": model})  # as inside StitchedModel / peft

@@ -12,9 +12,15 @@ import pytest
 import torch
 from stitch_testing import write_recipe
 
-from stitch.grpo import train_grpo
-from stitch.ray_rollout import broadcast_state_dict, manifest_of, new_group, plan_buckets, receive_state_dict
-from stitch.recipe import load_recipe
+from stitch.config.recipe import load_recipe
+from stitch.rollout.ray_rollout import (
+    broadcast_state_dict,
+    manifest_of,
+    new_group,
+    plan_buckets,
+    receive_state_dict,
+)
+from stitch.stages.grpo import train_grpo
 
 RAY_MISSING = "ray is not installed (a test dependency: ray==2.60.0); the Ray-placed GRPO tests need a local cluster"
 
@@ -73,11 +79,11 @@ def test_refit_broadcast_carries_mixed_dtypes_exactly_across_several_buckets():
 
 def test_ray_worker_greedy_tokens_equal_the_colocated_engine_on_merged_weights_before_and_after_a_broadcast_refit(
         sft_run, ray_cluster):
-    from stitch.engines import EmbeddedEngine
-    from stitch.models import load_model
-    from stitch.ray_rollout import RayRolloutEngine
-    from stitch.session import StitchSession
-    from stitch.vllm_engine import RefitError, merged_state_dict
+    from stitch.model.loading import load_model
+    from stitch.rollout.engines import EmbeddedEngine
+    from stitch.rollout.ray_rollout import RayRolloutEngine
+    from stitch.rollout.vllm_engine import RefitError, merged_state_dict
+    from stitch.stages.session import StitchSession
 
     session = StitchSession.open(load_recipe(write_recipe(sft_run.parent / "ray.yaml")), sft_run)
     model = session.build_model(stage="grpo", adapter_from=_donor(sft_run) / "adapter",
@@ -164,7 +170,7 @@ def test_grpo_with_ray_placed_rollouts_closes_its_workers_when_a_step_fails(sft_
     def boom(*args, **kwargs):
         raise RuntimeError("reward model exploded")
 
-    monkeypatch.setattr("stitch.grpo.group_advantages", boom)
+    monkeypatch.setattr("stitch.stages.grpo.group_advantages", boom)
     with pytest.raises(RuntimeError, match="exploded"):
         train_grpo(recipe, run, progress=False)
     assert _placement_groups_left() == []

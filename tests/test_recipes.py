@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from stitch_testing import write_recipe
 
-from stitch.plugins import load_plugins
-from stitch.recipe import RecipeError, load_recipe
-from stitch.validate import validate_recipe
+from stitch.config.recipe import RecipeError, load_recipe
+from stitch.config.validate import validate_recipe
+from stitch.plugins.host import load_plugins
 
 RUN_BY_TESTS = {"demo": "tests/test_demo_chain.py runs `stitch run demo` end to end"}
 NOT_RUN = {

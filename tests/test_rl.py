@@ -12,11 +12,11 @@ import pytest
 import torch
 from stitch_testing import write_recipe
 
-from stitch.dpo import branch_sample, train_dpo
-from stitch.grpo import GRPOOptions, group_advantages, reward, train_grpo
-from stitch.provenance import ProvenanceError
-from stitch.recipe import RecipeError, load_recipe
-from stitch.scatter import PlaceholderCountError
+from stitch.config.recipe import RecipeError, load_recipe
+from stitch.model.provenance import ProvenanceError
+from stitch.model.scatter import PlaceholderCountError
+from stitch.stages.dpo import branch_sample, train_dpo
+from stitch.stages.grpo import GRPOOptions, group_advantages, reward, train_grpo
 
 
 def _clone(sft_run: Path, dst: Path) -> Path:
@@ -71,7 +71,7 @@ def test_provenance_gate_refuses_each_mismatched_field_before_any_model_load(sft
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the provenance gate refused")
 
-    monkeypatch.setattr("stitch.session.load_model", no_load)
+    monkeypatch.setattr("stitch.stages.session.load_model", no_load)
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     with pytest.raises(ProvenanceError, match=f"field '{field}'"):
         train_grpo(recipe, run, progress=False)
@@ -148,7 +148,7 @@ def test_dpo_loss_falls_and_margin_grows_on_the_default_pairs(sft_run, tmp_path)
 
 
 def test_dpo_branch_with_a_wrong_placeholder_count_is_refused_naming_the_row(sft_run):
-    from stitch.session import StitchSession
+    from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(sft_run.parent / "gate.yaml"))
     session = StitchSession.open(recipe, sft_run)
@@ -162,9 +162,9 @@ def test_dpo_branch_with_a_wrong_placeholder_count_is_refused_naming_the_row(sft
 def test_safetensors_merge_matches_peft_merge(sft_run):
     from peft import PeftModel
 
-    from stitch.merge import merge_adapter_into_model
-    from stitch.models import load_model
-    from stitch.plugins import get_host
+    from stitch.model.loading import load_model
+    from stitch.model.merge import merge_adapter_into_model
+    from stitch.plugins.host import get_host
 
     spec = get_host().get("models", "qwen3.5-demo")
     adapter = _donor(sft_run) / "adapter"
@@ -178,16 +178,16 @@ def test_safetensors_merge_matches_peft_merge(sft_run):
 
 
 def test_infer_prompt_is_byte_identical_to_the_rollout_prompt(sft_run):
-    from stitch.inference import Stitched
-    from stitch.session import StitchSession
-    from stitch.tiny import COUNT_QUESTION
+    from stitch.demo.tiny import COUNT_QUESTION
+    from stitch.serve.inference import Stitched
+    from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(sft_run.parent / "gate.yaml"))
     session = StitchSession.open(recipe, sft_run)
     server = Stitched(sft_run / "sft" / "checkpoints")
     assert server.tokenizer(server.prompt_text(COUNT_QUESTION), add_special_tokens=False)["input_ids"] == \
         session.prompt_ids(COUNT_QUESTION)
-    from stitch.collator import render_prompt
+    from stitch.data.collator import render_prompt
 
     assert server.prompt_text(COUNT_QUESTION) == render_prompt(
         session.tokenizer, COUNT_QUESTION, session.sentinel_ids, session.encoder_spec.tokens_per_item)
@@ -196,7 +196,7 @@ def test_infer_prompt_is_byte_identical_to_the_rollout_prompt(sft_run):
 def test_infer_cli_picks_the_latest_step_and_answers(sft_run, tmp_path):
     import random
 
-    from stitch.demo_data import render_scene, sample_scene
+    from stitch.demo.data import render_scene, sample_scene
 
     image = tmp_path / "scene.png"
     render_scene(sample_scene(random.Random(5))).save(image)
@@ -210,8 +210,8 @@ def test_infer_cli_picks_the_latest_step_and_answers(sft_run, tmp_path):
 
 
 def test_engines_never_sample_media_sentinels_and_score_the_masked_distribution(sft_run):
-    from stitch.engines import EmbeddedEngine
-    from stitch.session import StitchSession
+    from stitch.rollout.engines import EmbeddedEngine
+    from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(sft_run.parent / "gate.yaml"))
     session = StitchSession.open(recipe, sft_run)

@@ -25,8 +25,8 @@ from typer.testing import CliRunner
 
 from stitch import scaffold
 from stitch.cli import app
-from stitch.plugins import load_plugins
-from stitch.recipe import parse_recipe
+from stitch.config.recipe import parse_recipe
+from stitch.plugins.host import load_plugins
 from stitch.scaffold import ScaffoldError, find_template, render_plugin, template_candidates
 
 MODALITY = "probe_spectrum"  # unusual on purpose: never collides with a real installed plugin
@@ -115,10 +115,10 @@ def test_rendered_readme_recipe_parses_and_prepares_data_stored_as_it_says(insta
     stages, and `prepare` must run the plugin over data stored as the README says, skipping a corrupt row."""
     from datasets import Dataset
 
-    from stitch.dpo import DPOOptions
-    from stitch.grpo import GRPOOptions
-    from stitch.prepare import prepare
-    from stitch.training import StageOptions
+    from stitch.data.prepare import prepare
+    from stitch.stages.dpo import DPOOptions
+    from stitch.stages.grpo import GRPOOptions
+    from stitch.stages.supervised import StageOptions
 
     project, _ = installed
     block = re.search(r"```yaml\n(.*?)```", (project / "README.md").read_text(), re.S)

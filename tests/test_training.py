@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 from stitch_testing import copy_prepared, write_recipe
 
-from stitch.packing import PackedStream, collate_packs
-from stitch.recipe import load_recipe
-from stitch.training import audit_gradients, train_stage
+from stitch.config.recipe import load_recipe
+from stitch.data.packing import PackedStream, collate_packs
+from stitch.stages.supervised import audit_gradients, train_stage
 
 
 def _losses(run: Path, stage: str) -> list[float]:
@@ -77,7 +77,7 @@ def _stream(session, budget: int, pack: bool) -> PackedStream:
 
 
 def test_packs_fill_at_least_90_percent_of_the_token_budget(prepared, tmp_path):
-    from stitch.session import StitchSession
+    from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     session = StitchSession.open(recipe, prepared / "run")
@@ -93,7 +93,7 @@ def test_packs_fill_at_least_90_percent_of_the_token_budget(prepared, tmp_path):
 
 
 def test_packed_batch_loss_equals_unpacked_loss_of_the_same_samples(prepared, tmp_path):
-    from stitch.session import StitchSession
+    from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     session = StitchSession.open(recipe, prepared / "run")
@@ -115,7 +115,7 @@ def test_packed_batch_loss_equals_unpacked_loss_of_the_same_samples(prepared, tm
 
 
 def test_gradient_audit_refuses_a_trainable_lm_weight(prepared, tmp_path):
-    from stitch.session import StitchSession
+    from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     session = StitchSession.open(recipe, prepared / "run")
@@ -137,7 +137,7 @@ def test_alignment_and_sft_run_on_each_tiny_architecture(prepared, tmp_path, mod
     assert not sft["packed"]  # hybrid layers would leak state across packed samples
     step = Path(sft["checkpoint"])
     config = json.loads((step / "adapter" / "adapter_config.json").read_text())
-    from stitch.plugins import get_host
+    from stitch.plugins.host import get_host
 
     assert sorted(config["target_modules"]) == sorted(get_host().get("models", model).lora_target_modules)
     assert all(torch.isfinite(torch.tensor(_losses(tmp_path / "run", "sft"))))

@@ -36,9 +36,9 @@ class Setup:
     def __init__(self, name: str, dtype: torch.dtype, tmp_path) -> None:
         from peft import LoraConfig, get_peft_model
 
-        from stitch.merge import merge_adapter_into_model
-        from stitch.models import load_model
-        from stitch.plugins import load_plugins
+        from stitch.model.loading import load_model
+        from stitch.model.merge import merge_adapter_into_model
+        from stitch.plugins.host import load_plugins
 
         host = load_plugins()
         self.spec = host.get("models", name)
@@ -95,8 +95,8 @@ class Setup:
 
     def optimizer_step(self) -> None:
         """One AdamW step on the adapter (push every position toward one token), merged into the reference."""
-        from stitch.merge import merge_adapter_into_model
-        from stitch.models import load_model
+        from stitch.model.loading import load_model
+        from stitch.model.merge import merge_adapter_into_model
 
         params = [p for n, p in self.policy.named_parameters() if "lora_" in n and p.requires_grad]
         opt = torch.optim.AdamW(params, lr=2e-2)
@@ -141,7 +141,7 @@ def test_vllm_sampling_returns_n_completions_per_prompt_with_logprobs(setup):
 
 
 def test_malformed_refit_payload_is_refused_by_name_before_reaching_vllm(setup, monkeypatch):
-    from stitch.vllm_engine import RefitError, merged_state_dict
+    from stitch.rollout.vllm_engine import RefitError, merged_state_dict
 
     good = merged_state_dict(setup.policy)
     fused = next(n for n in good if n.endswith("q_proj.weight"))
@@ -175,9 +175,9 @@ def test_grpo_with_the_vllm_engine_trains_and_reports_parity_with_the_training_f
 
     from stitch_testing import write_recipe
 
-    from stitch.grpo import train_grpo
-    from stitch.recipe import load_recipe
-    from stitch.training import train_stage
+    from stitch.config.recipe import load_recipe
+    from stitch.stages.grpo import train_grpo
+    from stitch.stages.supervised import train_stage
 
     run = tmp_path / "run"
     shutil.copytree(prepared / "run" / "data", run / "data")

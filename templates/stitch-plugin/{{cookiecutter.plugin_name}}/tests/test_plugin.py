@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from stitch.plugins import load_plugins
+from stitch.plugins.host import load_plugins
 
 from {{ cookiecutter.package_name }}.encoder import (
     ENCODER_NAME,

@@ -6,8 +6,8 @@ records what each registers under this plugin's name; `stitch list-plugins` show
 
 from __future__ import annotations
 
-from stitch.hookspecs import hookimpl
-from stitch.payloads import feature_payload_spec
+from stitch.api import hookimpl
+from stitch.api import feature_payload_spec
 
 from {{ cookiecutter.package_name }}.encoder import ENCODER, FEATURE_WIDTH, MODALITY, TOKENS_PER_ITEM
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from stitch.specs import EncoderSpec, ModelSource
+from stitch.api import EncoderSpec, ModelSource
 from torch import nn
 from torch.nn import functional as F
 

@@ -1,0 +1,23 @@
+"""The console entry point: every command module registers on the one Typer app."""
+
+from __future__ import annotations
+
+from stitch.cli import registry, scaffold, serve, stages  # noqa: F401  (each registers its commands)
+from stitch.cli.app import app, err_console
+
+
+def main() -> None:
+    """Console entry point: a user-facing error prints one clear line (STITCH_DEBUG=1 shows the traceback)."""
+    import os
+    import sys
+
+    from stitch.plugins.host import PluginError, RegistryLookupError
+
+    try:
+        app()
+    except (ValueError, FileNotFoundError, PluginError, RegistryLookupError) as exc:
+        if os.environ.get("STITCH_DEBUG"):
+            raise
+        err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        sys.exit(2)
+

@@ -1,0 +1,141 @@
+"""Preparing data, training stages and the whole chain (`stitch run`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from stitch.cli.app import app, console
+
+STAGES = ("alignment", "sft", "grpo", "dpo")
+
+
+@app.command()
+def train(
+    stage: str = typer.Argument(..., help=f"One of: {', '.join(STAGES)}"),
+    recipe: str = typer.Option(..., "--recipe", help="A registered recipe name or a YAML path."),
+    out: Path = typer.Option(None, "--out", help="Run directory (default runs/<recipe name>)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue exactly from checkpoints/LATEST."),
+    max_steps: int = typer.Option(None, "--max-steps", help="Stop after this many steps (for smoke runs)."),
+) -> None:
+    """Run one post-training stage of a recipe; prepared data is read from OUT/data."""
+    from stitch.config.recipe import load_recipe
+
+    if stage not in STAGES:
+        raise typer.BadParameter(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
+    from stitch.config.validate import validate_recipe
+
+    loaded = load_recipe(recipe)
+    validate_recipe(loaded)
+    if stage not in loaded.stages:
+        raise typer.BadParameter(f"recipe {loaded.name!r} has no stage {stage!r}; it has {sorted(loaded.stages)}")
+    out = out or Path("runs") / loaded.name
+    from stitch.stages.distributed import launch_rank, launch_world_size
+
+    if stage in ("grpo", "dpo") and launch_world_size() > 1:
+        raise typer.BadParameter(
+            f"{stage} runs in one process (WORLD_SIZE={launch_world_size()} here): only alignment and sft run "
+            f"data parallel under torchrun; start `stitch train {stage}` without torchrun"
+        )
+    if stage in ("alignment", "sft"):
+        from stitch.stages.supervised import train_stage
+
+        summary = train_stage(loaded, stage, out, resume=resume, max_steps=max_steps)
+        if launch_rank() != 0:
+            return
+    elif stage == "grpo":
+        from stitch.stages.grpo import train_grpo
+
+        summary = train_grpo(loaded, out, resume=resume, max_steps=max_steps)
+    else:
+        from stitch.stages.dpo import train_dpo
+
+        summary = train_dpo(loaded, out, resume=resume, max_steps=max_steps)
+    _print_summary(stage, summary)
+
+
+def _print_summary(stage: str, summary: dict[str, Any]) -> None:
+    table = Table(title=f"{stage} summary")
+    table.add_column("field")
+    table.add_column("value")
+    for key, value in summary.items():
+        table.add_row(key, json.dumps(value) if isinstance(value, dict | list) else str(value))
+    console.print(table)
+
+
+@app.command()
+def run(
+    recipe: str = typer.Argument("demo", help="A registered recipe name or a YAML path."),
+    out: Path = typer.Option(None, "--out", help="Run directory (default runs/<recipe name>)."),
+    fresh: bool = typer.Option(False, "--fresh", help="Re-run stages whose summary already exists."),
+    dpo: bool = typer.Option(False, "--dpo", help="Also run the DPO stage after GRPO."),
+) -> None:
+    """The main job: prepare -> alignment -> SFT -> GRPO -> evaluation -> one inference."""
+    from stitch.config.recipe import load_recipe
+    from stitch.stages.chain import run_chain
+
+    loaded = load_recipe(recipe)
+    out = out or Path("runs") / loaded.name
+    from stitch.stages.chain import DEFAULT_STAGES
+
+    summary = run_chain(loaded, out, stages=DEFAULT_STAGES + (("dpo",) if dpo else ()), resume=not fresh)
+    table = Table(title=f"stitch run {loaded.name} -> {out}")
+    for col in ("stage", "seconds", "eval accuracy", "notes"):
+        table.add_column(col)
+    for stage, info in summary["stages"].items():
+        notes = ""
+        if stage == "grpo":
+            notes = f"reward {info['reward_start']:.2f} -> {info['reward_end']:.2f}"
+        elif "loss_first" in info and info["loss_first"] is not None:
+            notes = f"loss {info['loss_first']:.3f} -> {info['loss_last']:.3f}"
+        acc = info.get("eval_accuracy")
+        table.add_row(stage, str(info.get("seconds", "")), "-" if acc is None else f"{acc:.1%}", notes)
+    console.print(table)
+    inf = summary["inference"]
+    console.print(f"inference on {inf['image']} ({inf['objects']} objects): {inf['answer']!r}", highlight=False)
+    console.print(f"summary: {out / 'summary.json'}; plots: {', '.join(summary['plots'])}", highlight=False)
+
+
+@app.command()
+def prepare(
+    recipe: str = typer.Option(..., "--recipe", help="A registered recipe name or a YAML path."),
+    out: Path = typer.Option(None, "--out", help="Output directory (default runs/<recipe name>/data)."),
+    device: str = typer.Option("cpu", "--device", help="Where the encoder runs (cpu, cuda, cuda:1...)."),
+) -> None:
+    """Stream the recipe's dataset, encode each row once, write feature-cache/ + manifest.jsonl."""
+    from stitch.config.recipe import RecipeError, load_recipe
+    from stitch.data.feature_cache import FeatureCacheError
+    from stitch.data.prepare import PrepareError
+    from stitch.data.prepare import prepare as run_prepare
+    from stitch.plugins.host import RegistryLookupError
+
+    try:
+        loaded = load_recipe(recipe)
+        out = out or Path("runs") / loaded.name / "data"
+        report = run_prepare(loaded, out, device=device)
+    except (RecipeError, PrepareError, FeatureCacheError, RegistryLookupError) as exc:
+        console.print(f"[red]prepare failed:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from exc
+    table = Table(title=f"prepare {loaded.name} -> {out}")
+    table.add_column("field")
+    table.add_column("value")
+    table.add_row("rows", ", ".join(f"{k}={v}" for k, v in report.rows.items()))
+    table.add_row("scanned / skipped", f"{report.rows_scanned} / {len(report.skipped)}")
+    table.add_row("shards encoded / reused", f"{report.shards_encoded} / {report.shards_reused}")
+    table.add_row("peak transient", f"{report.peak_transient_bytes / 2**20:.2f} MiB (budget {loaded.data.budgets.transient_mib})")
+    table.add_row("retained", f"{report.retained_bytes / 2**20:.2f} MiB (budget {loaded.data.budgets.retained_mib})")
+    table.add_row("retained per row", f"{report.retained_bytes_per_row:,.0f} B (features {report.payload_bytes_per_row:,.0f} B)")
+    table.add_row("seconds", f"{report.seconds:.1f}")
+    console.print(table)
+    for skipped in report.skipped:
+        console.print(
+            f"[yellow]skipped row {skipped['id']!r} (position {skipped['position']}), column "
+            f"{skipped['column']!r}:[/yellow] {skipped['reason']}",
+            highlight=False,
+        )
+
+

@@ -1,0 +1,148 @@
+"""Resolve and validate a whole recipe before anything heavy runs: registrations, every stage's options,
+cross-stage contracts (the GRPO/DPO warm start must restate SFT's LoRA rank and alpha), and the parallel
+layout's arithmetic (world size against data/tensor/expert parallel sizes, batch divisibility, GPUs per role)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stitch.config.recipe import ParallelConfig, Recipe, RecipeError
+
+KNOWN_STAGES = ("alignment", "sft", "grpo", "dpo")
+
+
+def validate_recipe(recipe: Recipe, host: Any = None) -> dict[str, Any]:
+    """The parsed options of every stage; raises naming the field at fault."""
+    from stitch.plugins.host import get_host
+    from stitch.stages.dpo import DPOOptions
+    from stitch.stages.grpo import GRPOOptions
+    from stitch.stages.supervised import StageOptions
+
+    host = host or get_host()
+    model = host.get("models", recipe.model)
+    encoder = host.get("encoders", recipe.encoder)
+    host.get("projectors", recipe.projector)
+    host.get("token_sentinels", model.sentinels)
+    unknown = sorted(set(recipe.stages) - set(KNOWN_STAGES))
+    if unknown:
+        raise RecipeError(f"recipe {recipe.name!r}: unknown stage 'stages.{unknown[0]}'; known: {list(KNOWN_STAGES)}")
+    resolved: dict[str, Any] = {}
+    for stage in ("alignment", "sft"):
+        if stage in recipe.stages:
+            opts = StageOptions.from_recipe(recipe, stage)
+            # a sample holds at least one media block: start + placeholders + end
+            floor = encoder.tokens_per_item + 2
+            if opts.token_budget < floor:
+                raise RecipeError(
+                    f"recipe {recipe.name!r}: field 'stages.{stage}.token_budget': expected at least {floor} "
+                    f"({encoder.tokens_per_item} soft tokens + 2 sentinels), got {opts.token_budget}"
+                )
+            resolved[stage] = opts
+    if "grpo" in recipe.stages:
+        resolved["grpo"] = GRPOOptions.from_recipe(recipe)
+    if "dpo" in recipe.stages:
+        resolved["dpo"] = DPOOptions.from_recipe(recipe)
+    for stage in ("grpo", "dpo"):
+        if stage in recipe.stages and "sft" not in recipe.stages:
+            raise RecipeError(f"recipe {recipe.name!r}: stage {stage!r} warm-starts from 'sft', which it lacks")
+    if "grpo" in resolved and resolved["grpo"].lora is not None and "sft" in resolved:
+        sft_lora, grpo_lora = resolved["sft"].lora, resolved["grpo"].lora
+        for key in ("r", "alpha"):
+            if sft_lora.get(key) != grpo_lora.get(key):
+                raise RecipeError(
+                    f"recipe {recipe.name!r}: field 'stages.grpo.lora.{key}': the warm start restates SFT's "
+                    f"adapter, expected {sft_lora.get(key)!r}, got {grpo_lora.get(key)!r}"
+                )
+    partitions = {p.name for p in recipe.data.partitions}
+    for stage, opts in resolved.items():
+        for key in ("partition", "eval_partition"):
+            value = getattr(opts, key, None)
+            if value is not None and value not in partitions:
+                raise RecipeError(
+                    f"recipe {recipe.name!r}: field 'stages.{stage}.{key}': expected one of {sorted(partitions)}, "
+                    f"got {value!r}"
+                )
+    check_parallel(recipe, resolved)
+    return resolved
+
+
+# -- parallel layout -----------------------------------------------------------------------------------
+# What a training stage divides across data-parallel ranks: every rank takes an equal share of it.
+DATA_PARALLEL_BATCH = {"alignment": ("batch_size", "packs"), "sft": ("batch_size", "packs")}
+
+
+def _fail(recipe: Recipe, message: str) -> None:
+    raise RecipeError(f"recipe {recipe.name!r}: {message}")
+
+
+def _divides(recipe: Recipe, what: str, size: int, into: str, total: int) -> None:
+    if total % size:
+        _fail(recipe, f"{what}={size} does not divide {into}={total} ({total} % {size} = {total % size})")
+
+
+def check_batch_divisible(recipe: Recipe, stage: str, opts: Any, data_parallel: int, label: str) -> None:
+    """Refuse a stage whose per-step batch cannot be split evenly over ``data_parallel`` ranks."""
+    if stage not in DATA_PARALLEL_BATCH or data_parallel <= 1:
+        return
+    key, unit = DATA_PARALLEL_BATCH[stage]
+    value = getattr(opts, key)
+    if value % data_parallel:
+        _fail(recipe, f"stages.{stage}.{key}={value} {unit} is not divisible by {label}={data_parallel} "
+                      f"({value} % {data_parallel} = {value % data_parallel}); every rank takes an equal share "
+                      f"of the global batch")
+
+
+def resolve_parallel(recipe: Recipe) -> tuple[int | None, int | None]:
+    """(world_size, data_parallel) the recipe implies; None where the launch decides. Raises on impossible sizes."""
+    par = recipe.parallel or ParallelConfig()
+    tp, ep = par.tensor_parallel, par.expert_parallel
+    world = par.world_size
+    if world is None and par.data_parallel is not None:
+        world = par.data_parallel * tp
+    if world is None:
+        return None, None
+    _divides(recipe, "parallel.tensor_parallel", tp, "world_size", world)
+    _divides(recipe, "parallel.expert_parallel", ep, "world_size", world)
+    dp = par.data_parallel if par.data_parallel is not None else world // tp
+    if dp * tp != world:
+        _fail(recipe, f"parallel.data_parallel={dp} x tensor_parallel={tp} = {dp * tp} ranks, but "
+                      f"world_size={world}; data_parallel x tensor_parallel must equal world_size")
+    return world, dp
+
+
+def check_parallel(recipe: Recipe, resolved: dict[str, Any]) -> None:
+    """The ``parallel`` section's arithmetic, spelled out in every refusal; then what stitch cannot do yet."""
+    par = recipe.parallel
+    if par is None:
+        return
+    world, dp = resolve_parallel(recipe)
+    if par.roles_given and "grpo" in recipe.stages:
+        need = par.policy_gpus + par.rollout_gpus * par.rollout_replicas
+        if world is not None and need > world:
+            _fail(recipe, f"GRPO needs policy {par.policy_gpus} + rollout {par.rollout_gpus} x "
+                          f"{par.rollout_replicas} replicas = {need} GPUs, world_size is {world}")
+        if "grpo" in resolved and resolved["grpo"].prompts_per_step % par.rollout_replicas:
+            prompts, replicas = resolved["grpo"].prompts_per_step, par.rollout_replicas
+            _fail(recipe, f"stages.grpo.prompts_per_step={prompts} prompts is not divisible by "
+                          f"rollout_replicas={replicas} ({prompts} % {replicas} = {prompts % replicas})")
+    for stage, opts in resolved.items():
+        check_batch_divisible(recipe, stage, opts, dp or 1, "data_parallel")
+    if par.tensor_parallel > 1:
+        _fail(recipe, f"parallel.tensor_parallel={par.tensor_parallel}: tensor parallelism is not implemented for "
+                      f"training in stitch yet (alignment and SFT run FSDP2 data parallel only); set "
+                      f"tensor_parallel: 1")
+    if par.expert_parallel > 1:
+        _fail(recipe, f"parallel.expert_parallel={par.expert_parallel}: expert parallelism is not implemented in "
+                      f"stitch yet (FSDP2 shards every expert tensor across the data-parallel ranks instead; "
+                      f"see docs/scaling.md); set expert_parallel: 1")
+
+
+def check_launch(recipe: Recipe, stage: str, opts: Any, world_size: int) -> None:
+    """At launch: torchrun's WORLD_SIZE must be the recipe's ``parallel.world_size`` (when given), and the
+    stage's batch must split evenly over it."""
+    world, _ = resolve_parallel(recipe)
+    if world is not None and world != world_size:
+        _fail(recipe, f"parallel.world_size={world}, but this launch has WORLD_SIZE={world_size}; start it with "
+                      f"`torchrun --nproc-per-node {world} -m stitch train {stage} ...`"
+                      + (" (or `stitch train` alone for one process)" if world == 1 else ""))
+    check_batch_divisible(recipe, stage, opts, world_size, "WORLD_SIZE")

@@ -1,0 +1,178 @@
+"""Prompt rendering and the training collator: the tokenizer-specific half of the data path.
+
+The prompt is the model's chat template over the conversation with ``start + placeholder x N + end`` per
+media item opening the first user turn; ``render_prompt`` is the one function that renders it, for training,
+GRPO rollouts and inference alike, so all three see byte-identical prompts. A training sample is that
+prompt followed by the final answer and EOS; only the answer and EOS carry labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stitch.data.packing import Batch, Sample, collate_packs
+from stitch.data.sentinels import SentinelIds, resolve_sentinels
+from stitch.plugins.specs import SentinelSpec
+
+IGNORE_INDEX = -100
+Messages = Sequence[Mapping[str, str]]
+
+
+class CollatorError(ValueError):
+    """A row cannot be turned into a training sample; the message names the row."""
+
+
+@dataclass(frozen=True)
+class _Sentinels:
+    ids: SentinelIds
+    start: str
+    placeholder: str
+    end: str
+
+
+def _sentinels(tokenizer: Any, sentinels: SentinelIds | SentinelSpec) -> _Sentinels:
+    if isinstance(sentinels, SentinelSpec):
+        return _Sentinels(resolve_sentinels(sentinels, tokenizer), *sentinels.tokens)
+    start, placeholder, end = tokenizer.convert_ids_to_tokens([sentinels.start, sentinels.placeholder, sentinels.end])
+    return _Sentinels(sentinels, start, placeholder, end)
+
+
+def media_block(tokenizer: Any, sentinels: SentinelIds | SentinelSpec, tokens_per_item: int, num_items: int) -> str:
+    """``(start + placeholder x tokens_per_item + end) x num_items`` as text."""
+    s = _sentinels(tokenizer, sentinels)
+    return (s.start + s.placeholder * tokens_per_item + s.end) * num_items
+
+
+def _conversation(question: str | Messages) -> list[dict[str, str]]:
+    if isinstance(question, str):
+        return [{"role": "user", "content": question}]
+    return [{"role": m["role"], "content": m["content"]} for m in question]
+
+
+def render_prompt(
+    tokenizer: Any,
+    question: str | Messages,
+    sentinels: SentinelIds | SentinelSpec,
+    tokens_per_item: int,
+    num_items: int = 1,
+) -> str:
+    """The exact prompt text (chat template + generation prompt) for a question or a conversation prefix.
+
+    The media block (one per item, then a newline) opens the first user turn. Training, rollouts and
+    inference all call this function, so their prompts are byte-identical.
+    """
+    messages = _conversation(question)
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise CollatorError(f"a prompt needs a user turn; got roles {[m['role'] for m in messages]}")
+    if num_items:
+        first = messages[users[0]]
+        block = media_block(tokenizer, sentinels, tokens_per_item, num_items)
+        first["content"] = f"{block}\n{first['content']}"
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_token_ids(
+    tokenizer: Any,
+    question: str | Messages,
+    sentinels: SentinelIds | SentinelSpec,
+    tokens_per_item: int,
+    num_items: int = 1,
+) -> list[int]:
+    """``render_prompt`` tokenized the one way training does (no extra special tokens: the template has them)."""
+    text = render_prompt(tokenizer, question, sentinels, tokens_per_item, num_items)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_example(
+    tokenizer: Any,
+    messages: Messages,
+    sentinels: SentinelIds | SentinelSpec,
+    tokens_per_item: int,
+    num_items: int,
+    *,
+    row_id: str = "?",
+) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` for a conversation ending with the assistant's answer.
+
+    ``input_ids`` = prompt ids (``prompt_token_ids`` of every turn before the answer) + answer ids + EOS;
+    ``labels`` are ``-100`` on the prompt (media placeholders included) and equal to ``input_ids`` on the
+    answer and EOS. The prompt must hold exactly ``num_items`` media blocks of ``tokens_per_item``
+    placeholders: a sentinel token typed into the text itself is refused, naming the row.
+    """
+    if not messages or messages[-1]["role"] != "assistant":
+        raise CollatorError(f"row {row_id!r}: the conversation must end with the assistant's answer")
+    s = _sentinels(tokenizer, sentinels)
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise CollatorError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no eos_token_id")
+    prompt = prompt_token_ids(tokenizer, messages[:-1], sentinels, tokens_per_item, num_items)
+    answer = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"] + [eos]
+    sentinel_ids = {s.ids.start, s.ids.placeholder, s.ids.end}
+    for role, want in (("start", num_items), ("placeholder", num_items * tokens_per_item), ("end", num_items)):
+        got = prompt.count(getattr(s.ids, role))
+        if got != want:
+            raise CollatorError(
+                f"row {row_id!r}: the rendered prompt holds {got} {role} sentinel tokens "
+                f"({getattr(s, role)!r}), expected {want} for {num_items} items x {tokens_per_item} tokens; "
+                f"does the row's text contain a sentinel token?"
+            )
+    if sentinel_ids & set(answer):
+        raise CollatorError(f"row {row_id!r}: the answer text contains a media sentinel token")
+    return prompt + answer, [IGNORE_INDEX] * len(prompt) + answer
+
+
+class Collator:
+    """Rows ``{"id", "messages", "features" [items, N, W]}`` -> a right-padded ``Batch`` (one row per sample).
+
+    ``Batch`` has ``input_ids``, ``attention_mask``, ``labels``, ``position_ids``, ``features``
+    ``[all items, N, W]`` in placeholder order, and ``row_ids``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        sentinels: SentinelIds | SentinelSpec,
+        tokens_per_item: int,
+        feature_width: int,
+        *,
+        max_length: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.sentinels = sentinels
+        self.tokens_per_item = tokens_per_item
+        self.feature_width = feature_width
+        self.max_length = max_length
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else tokenizer.eos_token_id
+
+    def sample(self, row: Mapping[str, Any]) -> Sample:
+        row_id = str(row.get("id", "?"))
+        features = row["features"]
+        expected = (self.tokens_per_item, self.feature_width)
+        if features.dim() != 3 or tuple(features.shape[1:]) != expected:
+            raise CollatorError(
+                f"row {row_id!r}: features have shape {tuple(features.shape)}; expected "
+                f"[items, {expected[0]}, {expected[1]}]"
+            )
+        input_ids, labels = tokenize_example(
+            self.tokenizer, row["messages"], self.sentinels, self.tokens_per_item, features.shape[0], row_id=row_id
+        )
+        if self.max_length is not None and len(input_ids) > self.max_length:
+            raise CollatorError(
+                f"row {row_id!r} is {len(input_ids)} tokens, over max_length={self.max_length}; "
+                f"truncating would cut the answer or the media block"
+            )
+        return Sample(row_id, input_ids, labels, features)
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> Batch:
+        samples = [self.sample(row) for row in rows]
+        batch = collate_packs([[s] for s in samples], self.pad_id, packed=False)
+        if not samples or all(s.features.shape[0] == 0 for s in samples):
+            batch.features = torch.empty(0, self.tokens_per_item, self.feature_width)
+        return batch
+

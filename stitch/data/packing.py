@@ -1,0 +1,205 @@
+"""Token-budget packing: online next-fit over a bounded shuffle buffer that reads the manifest lazily.
+
+The stream's state (byte offset in the manifest, epoch, RNG, buffer of raw rows, the pending sample that
+did not fit the last pack) is JSON, saved in every checkpoint, so a resumed run draws the same packs.
+Samples are tokenized and their features loaded only when drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stitch.runs.checkpoint import random_from_json, random_to_json
+
+
+@dataclass
+class Sample:
+    row_id: str
+    input_ids: list[int]
+    labels: list[int]
+    features: torch.Tensor  # [items, tokens, width]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+class PackedStream:
+    """Yields packs (lists of Samples) whose total length is at most ``token_budget``.
+
+    With ``pack=False`` every pack holds exactly one sample (for models whose layers would leak state
+    across packed samples). ``rows`` filters manifest rows (e.g. by partition).
+    """
+
+    def __init__(
+        self,
+        manifest: Path,
+        make_sample: Callable[[dict[str, Any]], Sample],
+        *,
+        token_budget: int,
+        buffer_size: int = 64,
+        seed: int = 0,
+        pack: bool = True,
+        rows: Callable[[dict[str, Any]], bool] = lambda row: True,
+    ) -> None:
+        self.manifest = Path(manifest)
+        self.make_sample = make_sample
+        self.token_budget = token_budget
+        self.buffer_size = buffer_size
+        self.pack = pack
+        self.accept = rows
+        self.offset = 0
+        self.epoch = 0
+        self.rng = random.Random(seed)
+        self.buffer: list[dict[str, Any]] = []
+        self.pending: dict[str, Any] | None = None
+        self._check_nonempty()
+
+    def _check_nonempty(self) -> None:
+        with self.manifest.open("rb") as fh:
+            if not any(self.accept(json.loads(line)) for line in fh if line.strip()):
+                raise ValueError(f"{self.manifest}: no manifest rows match this stage's partition")
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "offset": self.offset,
+            "epoch": self.epoch,
+            "rng": random_to_json(self.rng),
+            "buffer": list(self.buffer),
+            "pending": self.pending,
+            "pack": self.pack,
+            "token_budget": self.token_budget,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # packing can depend on the machine (Nemotron-H packs only where fla's kernels run): a resume that would
+        # batch differently from the run it continues is refused rather than silently diverging
+        for key, now in (("pack", self.pack), ("token_budget", self.token_budget)):
+            if key in state and state[key] != now:
+                hint = (" (packing follows the model binding on this machine: see `stitch models --json` and the "
+                        "binding's packing_note)") if key == "pack" else ""
+                raise ValueError(f"cannot resume: the checkpoint's data stream has {key}={state[key]!r} but this "
+                                 f"run has {key}={now!r}{hint}")
+        self.offset = state["offset"]
+        self.epoch = state["epoch"]
+        random_from_json(self.rng, state["rng"])
+        self.buffer = list(state["buffer"])
+        self.pending = state["pending"]
+
+    # -- drawing -----------------------------------------------------------------------------------
+    def _fill(self) -> None:
+        with self.manifest.open("rb") as fh:
+            fh.seek(self.offset)
+            while len(self.buffer) < self.buffer_size:
+                line = fh.readline()
+                if not line:  # end of an epoch: wrap around
+                    self.epoch += 1
+                    fh.seek(0)
+                    self.offset = 0
+                    continue
+                self.offset = fh.tell()
+                if line.strip():
+                    row = json.loads(line)
+                    if self.accept(row):
+                        self.buffer.append(row)
+
+    def _draw_row(self) -> dict[str, Any]:
+        if self.pending is not None:
+            row, self.pending = self.pending, None
+            return row
+        self._fill()
+        return self.buffer.pop(self.rng.randrange(len(self.buffer)))
+
+    def next_pack(self) -> list[Sample]:
+        pack: list[Sample] = []
+        used = 0
+        while True:
+            row = self._draw_row()
+            sample = self.make_sample(row)
+            if len(sample) > self.token_budget:
+                raise ValueError(
+                    f"row {sample.row_id}: {len(sample)} tokens exceed the token budget {self.token_budget}; "
+                    f"raise the stage's token_budget"
+                )
+            if pack and used + len(sample) > self.token_budget:
+                self.pending = row  # next-fit: close this pack, the row opens the next one
+                return pack
+            pack.append(sample)
+            used += len(sample)
+            if not self.pack:
+                return pack
+
+    def __iter__(self) -> Iterator[list[Sample]]:
+        while True:
+            yield self.next_pack()
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [rows, length]
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None  # None for packed rows: the model builds a block-causal mask
+    features: torch.Tensor  # [items, tokens, width], in placeholder order across the batch
+    row_ids: list[str]
+    tokens: int  # real (non-padding) tokens
+
+    def to(self, device: torch.device | str) -> Batch:
+        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        return Batch(
+            move(self.input_ids), move(self.labels), move(self.position_ids), move(self.attention_mask),
+            move(self.features), self.row_ids, self.tokens,
+        )
+
+
+def collate_packs(packs: list[list[Sample]], pad_id: int, packed: bool, length: int | None = None) -> Batch:
+    """Concatenate each pack into one row (position ids reset per sample) and pad rows to one length.
+
+    Packed rows get no attention mask: transformers derives a block-causal mask from the position-id
+    resets, so no token attends across a sample boundary. Unpacked rows (one sample each) are right-padded
+    with an attention mask.
+    """
+    rows_ids, rows_labels, rows_pos = [], [], []
+    features: list[torch.Tensor] = []
+    row_ids: list[str] = []
+    for pack in packs:
+        ids, labels, pos = [], [], []
+        for sample in pack:
+            ids += sample.input_ids
+            labels += sample.labels
+            pos += list(range(len(sample)))
+            features.append(sample.features)
+            row_ids.append(sample.row_id)
+        rows_ids.append(ids)
+        rows_labels.append(labels)
+        rows_pos.append(pos)
+    width = length or max(len(r) for r in rows_ids)
+    real = sum(len(r) for r in rows_ids)
+    input_ids = torch.full((len(packs), width), pad_id, dtype=torch.long)
+    labels_t = torch.full((len(packs), width), -100, dtype=torch.long)
+    position_ids = torch.zeros((len(packs), width), dtype=torch.long)
+    attention = torch.zeros((len(packs), width), dtype=torch.long)
+    for i, (ids, labels, pos) in enumerate(zip(rows_ids, rows_labels, rows_pos, strict=True)):
+        n = len(ids)
+        input_ids[i, :n] = torch.tensor(ids)
+        labels_t[i, :n] = torch.tensor(labels)
+        position_ids[i, :n] = torch.tensor(pos)
+        # padding continues as its own short "sample" so it never joins a real one
+        position_ids[i, n:] = torch.arange(width - n)
+        attention[i, :n] = 1
+    return Batch(
+        input_ids=input_ids,
+        labels=labels_t,
+        position_ids=position_ids,
+        attention_mask=None if packed else attention,
+        features=torch.cat(features) if features else torch.empty(0),
+        row_ids=row_ids,
+        tokens=real,
+    )

@@ -1,0 +1,536 @@
+"""Preparation: stream a dataset, run the frozen encoder once per row, keep only features + text.
+
+The cache is tokenizer-neutral on purpose: sentinel tokens and chat templates differ between tokenizer
+families (Qwen, Nemotron...) while the encoder's features do not, so the same prepared directory serves
+every base model; the collator applies the tokenizer-specific part (sentinels, template) at training time.
+
+Shards are content-addressed by their inputs (encoder identity, dtype, and the hash of every media item),
+written atomically, and looked up before encoding: a re-run encodes nothing, and a killed run resumes
+without redoing the shards it finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stitch.config.recipe import BuiltinSource, DataSource, HubSource, LocalSource, Recipe
+from stitch.data.feature_cache import (
+    CACHE_DIRNAME,
+    MANIFEST_NAME,
+    SHARD_FORMAT,
+    SHARD_TENSOR,
+    FeatureKey,
+    ManifestRow,
+)
+from stitch.plugins.specs import EncoderSpec
+
+REPORT_NAME = "prepare-report.json"
+_TMP_PREFIX = ".tmp-"
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class PrepareError(RuntimeError):
+    """Preparation cannot go on; the message names the row, column, field or budget at fault."""
+
+
+class BudgetExceeded(PrepareError):
+    pass
+
+
+class InvalidRow(ValueError):
+    """A row that cannot be used (corrupt media, empty text); ``data.on_corrupt`` decides error or skip."""
+
+    def __init__(self, row_id: str, position: int, column: str, reason: str) -> None:
+        super().__init__(f"row {row_id!r} (stream position {position}), column {column!r}: {reason}")
+        self.row_id, self.position, self.column, self.reason = row_id, position, column, reason
+
+
+@dataclass
+class PrepareReport:
+    out_dir: str
+    rows: dict[str, int]  # partition -> rows written
+    rows_scanned: int
+    skipped: list[dict[str, Any]]
+    shards_encoded: int
+    shards_reused: int
+    items_encoded: int
+    peak_transient_bytes: int
+    retained_bytes: int
+    retained_bytes_per_row: float
+    payload_bytes_per_row: float  # the feature tensors alone
+    seconds: float
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows.values())
+
+
+@dataclass
+class _PendingRow:
+    id: str
+    position: int
+    partition: str
+    messages: list[dict[str, str]]
+    media: list[Any]  # raw values (bytes / {bytes, path} / path); decoded again only if the shard is new
+    hashes: list[str]
+
+
+# -- streaming ------------------------------------------------------------------------------------------
+
+
+def open_stream(source: DataSource, cache_dir: Path) -> Any:
+    """A ``datasets`` IterableDataset over the source; every cache it writes goes under ``cache_dir``."""
+    from datasets import DownloadConfig, load_dataset
+
+    common: dict[str, Any] = {
+        "streaming": True,
+        "cache_dir": str(cache_dir),
+        "download_config": DownloadConfig(cache_dir=str(cache_dir / "downloads")),
+    }
+    if isinstance(source, BuiltinSource):
+        from stitch.demo.data import ensure_counting_shapes
+
+        parquet = ensure_counting_shapes(source.rows, source.caption_rows, source.seed)
+        return load_dataset("parquet", data_files=str(parquet), split="train", **common)
+    if isinstance(source, LocalSource):
+        if not source.path.exists():
+            raise PrepareError(f"data.source.path {str(source.path)!r} does not exist")
+        where = {"data_dir": str(source.path)} if source.path.is_dir() else {"data_files": str(source.path)}
+        return load_dataset(source.format, split=source.split, **where, **common)
+    assert isinstance(source, HubSource)
+    return load_dataset(source.hub, source.config, revision=source.revision, split=source.split, **common)
+
+
+def _raw_media_stream(stream: Any, media_column: str) -> Any:
+    """Ask ``datasets`` for undecoded media (``{bytes, path}``) so the encoder's ``decode_item`` decodes it."""
+    features = getattr(stream, "features", None)
+    feature = features.get(media_column) if features else None
+    if feature is not None and getattr(feature, "decode", False):
+        return stream.cast_column(media_column, dataclasses.replace(feature, decode=False))
+    return stream
+
+
+def tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+# -- rows -----------------------------------------------------------------------------------------------
+
+
+def media_fingerprint(value: Any) -> str:
+    """sha256 of a raw media value's bytes: bytes, ``{bytes, path}``, a path, or anything with ``tobytes``."""
+    digest = hashlib.sha256()
+    if isinstance(value, bytes | bytearray | memoryview):
+        digest.update(bytes(value))
+    elif isinstance(value, Mapping) and value.get("bytes") is not None:
+        digest.update(bytes(value["bytes"]))
+    elif isinstance(value, Mapping) and value.get("path"):
+        digest.update(Path(value["path"]).read_bytes())
+    elif isinstance(value, str | os.PathLike):
+        digest.update(Path(value).read_bytes())
+    elif hasattr(value, "tobytes"):  # PIL images, numpy arrays
+        digest.update(repr((getattr(value, "mode", None), getattr(value, "size", None))).encode())
+        digest.update(value.tobytes())
+    else:
+        raise TypeError(f"cannot fingerprint a media value of type {type(value).__name__}")
+    return digest.hexdigest()
+
+
+def _with_base(value: Any, base: Path | None) -> Any:
+    """Relative media paths of a local source are relative to the source directory, not the cwd."""
+    if base is None:
+        return value
+    if isinstance(value, str) and not os.path.isabs(value):
+        return str(base / value)
+    if isinstance(value, Mapping) and value.get("bytes") is None and value.get("path"):
+        if not os.path.isabs(value["path"]):
+            return {**value, "path": str(base / value["path"])}
+    return value
+
+
+LLAVA_IMAGE_MARKER = "<image>"
+
+
+def _messages(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int) -> list[dict[str, str]]:
+    cols = recipe.data.columns
+    if cols.messages is None:
+        out = []
+        for role, column in (("user", cols.question), ("assistant", cols.answer)):
+            value = raw[column]
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                value = str(value)
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidRow(row_id, position, column, f"expected non-empty text, got {value!r}")
+            out.append({"role": role, "content": value})
+        return out
+    value = raw[cols.messages]
+    if not isinstance(value, list) or not value:
+        raise InvalidRow(row_id, position, cols.messages, f"expected a list of chat messages, got {value!r}")
+    out = []
+    for turn in value:
+        role = turn.get("role", turn.get("from")) if isinstance(turn, Mapping) else None
+        content = turn.get("content", turn.get("value")) if isinstance(turn, Mapping) else None
+        if role not in _ROLES or not isinstance(content, str):
+            raise InvalidRow(
+                row_id, position, cols.messages, f"expected {{role, content}} turns (roles {sorted(_ROLES)}), got {turn!r}"
+            )
+        # LLaVA-style data marks the image with a literal "<image>" in the text; stitch places media itself
+        out.append({"role": _ROLES[role], "content": content.replace(LLAVA_IMAGE_MARKER, "").strip()})
+    if out[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in out):
+        raise InvalidRow(row_id, position, cols.messages, "messages must contain a user turn and end with the assistant")
+    return out
+
+
+def _row_id(raw: Mapping[str, Any], recipe: Recipe, position: int) -> str:
+    column = recipe.data.columns.id
+    if column is None:
+        return f"row{position}"
+    if column not in raw:
+        raise _missing_column(column, "id", raw, f"row{position}")
+    return str(raw[column])
+
+
+def _missing_column(column: str, role: str, raw: Mapping[str, Any], row_id: str) -> PrepareError:
+    return PrepareError(
+        f"row {row_id!r}: column {column!r} (data.columns.{role}) is not in the dataset; "
+        f"its columns are: {', '.join(sorted(raw))}"
+    )
+
+
+def _check_columns(raw: Mapping[str, Any], recipe: Recipe, row_id: str) -> None:
+    cols = recipe.data.columns
+    for role in ("media", "question", "answer", "messages"):
+        column = getattr(cols, role)
+        if column is not None and column not in raw:
+            raise _missing_column(column, role, raw, row_id)
+
+
+# -- shards ---------------------------------------------------------------------------------------------
+
+
+def encoder_identity(spec: EncoderSpec, dtype: str) -> dict[str, Any]:
+    source = spec.source.identity()
+    return {
+        "encoder": spec.name,
+        "encoder_id": source["id"],
+        "encoder_revision": source["revision"],
+        "tokens": spec.tokens_per_item,
+        "width": spec.feature_width,
+        "dtype": dtype,
+    }
+
+
+def shard_key(identity: Mapping[str, Any], item_hashes: Iterable[str]) -> str:
+    """The shard's file stem: a hash of the encoder identity and the ordered media hashes it encodes."""
+    payload = json.dumps({"format": SHARD_FORMAT, **identity, "items": list(item_hashes)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:40]
+
+
+def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any]) -> None:
+    """Write ``features`` to ``path`` atomically: a temp file in the same directory, then rename."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{path.name}")
+    # one metadata key: safetensors writes a multi-key map in random order, and shards must be byte-stable
+    meta = {SHARD_FORMAT: json.dumps(dict(metadata), sort_keys=True)}
+    try:
+        save_file({SHARD_TENSOR: features.contiguous()}, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o644)  # readable like any other prepared file
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+# -- the run --------------------------------------------------------------------------------------------
+
+
+class _Preparation:
+    def __init__(
+        self, recipe: Recipe, out_dir: Path, spec: EncoderSpec, encoder: Any, device: str, progress: bool
+    ) -> None:
+        self.recipe, self.data, self.spec = recipe, recipe.data, spec
+        self.out_dir = out_dir
+        self.cache_dir = out_dir / CACHE_DIRNAME
+        self.device = device
+        self.dtype = getattr(torch, self.data.feature_dtype)
+        self.element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self.item_bytes = spec.tokens_per_item * spec.feature_width * self.element_bytes
+        self._encoder = encoder
+        self.identity = encoder_identity(spec, self.data.feature_dtype)
+        self.provenance = {
+            "encoder": spec.name,
+            "encoder_id": self.identity["encoder_id"],
+            "encoder_revision": self.identity["encoder_revision"],
+            "dataset": self.data.source.describe(),
+        }
+        self.progress = progress
+        self.referenced: dict[str, int] = {}  # shard name -> bytes
+        self.manifest_bytes = 0
+        self.peak_transient = 0
+        self.rows_scanned = 0
+        self.shards_encoded = self.shards_reused = self.items_encoded = self.items_written = 0
+        self.rows_written: dict[str, int] = {p.name: 0 for p in self.data.partitions}
+        self.skipped: list[dict[str, Any]] = []
+
+    @property
+    def encoder(self) -> Any:
+        if self._encoder is None:  # loaded only when a shard is missing: a full re-run never loads it
+            self._encoder = self.spec.load(self.spec.source, self.device, self.dtype)
+        return self._encoder
+
+    def retained(self) -> int:
+        return sum(self.referenced.values()) + self.manifest_bytes
+
+    def check_retained(self, extra: int, what: str) -> None:
+        budget = self.data.budgets.retained_bytes
+        projected = self.retained() + extra
+        if projected > budget:
+            raise BudgetExceeded(
+                f"retained bytes would reach {projected / 2**20:.1f} MiB {what}, over "
+                f"data.budgets.retained_mib={self.data.budgets.retained_mib}; raise the budget, shrink the "
+                f"partitions, or pick a smaller data.feature_dtype"
+            )
+
+    def check_transient(self, tmp: Path) -> None:
+        self.peak_transient = max(self.peak_transient, tree_bytes(tmp))
+        if self.peak_transient > self.data.budgets.transient_bytes:
+            raise BudgetExceeded(
+                f"the temporary datasets cache reached {self.peak_transient / 2**20:.1f} MiB, over "
+                f"data.budgets.transient_mib={self.data.budgets.transient_mib}; raise the budget or lower "
+                f"data.scan_cap"
+            )
+
+    # -- scanning --------------------------------------------------------------------------------------
+    def valid_rows(self, stream: Iterable[Mapping[str, Any]], base: Path | None) -> Iterator[_PendingRow]:
+        """Selected rows in stream order; invalid rows are raised or skipped, never given an ordinal."""
+        cols = self.data.columns
+        ordinal = 0
+        for position, raw in enumerate(itertools.islice(stream, self.data.scan_cap)):
+            self.rows_scanned = position + 1
+            row_id = _row_id(raw, self.recipe, position)
+            _check_columns(raw, self.recipe, row_id)
+            try:
+                messages = _messages(raw, self.recipe, row_id, position)
+                media = self.media_values(raw[cols.media], row_id, position, base)
+            except InvalidRow as bad:
+                if self.data.on_corrupt == "error":
+                    raise PrepareError(
+                        f"{bad}. Fix the row, or set data.on_corrupt: skip to count and skip such rows"
+                    ) from bad
+                self.skipped.append(
+                    {"id": bad.row_id, "position": bad.position, "column": bad.column, "reason": bad.reason}
+                )
+                continue
+            partition = self.data.partition_of(ordinal)
+            ordinal += 1
+            if partition is not None:
+                yield _PendingRow(row_id, position, partition.name, messages, media["values"], media["hashes"])
+            if ordinal >= self.data.rows_needed:
+                break
+        if ordinal < self.data.rows_needed:
+            short = [p.name for p in self.data.partitions if p.end > ordinal]
+            limit = (
+                f"the scan cap (data.scan_cap={self.data.scan_cap})"
+                if self.rows_scanned >= self.data.scan_cap
+                else "the end of the dataset"
+            )
+            raise PrepareError(
+                f"found {ordinal} valid rows before {limit} ({self.rows_scanned} scanned, {len(self.skipped)} "
+                f"skipped); partitions {short} need {self.data.rows_needed}. Raise data.scan_cap, use a larger "
+                f"source, or shrink the partitions"
+            )
+
+    def media_values(self, value: Any, row_id: str, position: int, base: Path | None) -> dict[str, list]:
+        column = self.data.columns.media
+        values = value if isinstance(value, list) else [value]
+        if not values or any(v is None for v in values):
+            raise InvalidRow(row_id, position, column, "no media value")
+        hashes = []
+        values = [_with_base(v, base) for v in values]
+        for v in values:
+            try:
+                self.spec.decode_item(v)  # validate now: an invalid row must not take a valid-row ordinal
+                hashes.append(media_fingerprint(v))
+            except (ValueError, OSError) as exc:
+                raise InvalidRow(row_id, position, column, f"corrupt media ({exc})") from exc
+            except TypeError as exc:
+                raise InvalidRow(row_id, position, column, str(exc)) from exc
+        return {"values": values, "hashes": hashes}
+
+    # -- shards ----------------------------------------------------------------------------------------
+    def shards(self, rows: Iterator[_PendingRow]) -> Iterator[list[_PendingRow]]:
+        """Consecutive rows of one partition, at most ``shard_rows`` each: a new partition starts a shard."""
+        pending: list[_PendingRow] = []
+        for row in rows:
+            if pending and (pending[0].partition != row.partition or len(pending) >= self.data.shard_rows):
+                yield pending
+                pending = []
+            pending.append(row)
+        if pending:
+            yield pending
+
+    def flush(self, rows: list[_PendingRow], manifest: Any, bar: Any) -> None:
+        name = shard_key(self.identity, (h for r in rows for h in r.hashes)) + ".safetensors"
+        path = self.cache_dir / name
+        n_items = sum(len(r.media) for r in rows)
+        if path.is_file():
+            self.shards_reused += 1
+            bar.update(len(rows))
+        else:
+            self.check_retained(n_items * self.item_bytes, f"with shard {name} ({rows[0].id}..{rows[-1].id})")
+            write_shard(path, self.encode(rows, bar), {**self.identity, "items": n_items})
+            self.shards_encoded += 1
+            self.items_encoded += n_items
+        if name not in self.referenced:
+            self.referenced[name] = path.stat().st_size
+        index = 0
+        for row in rows:
+            keys = tuple(FeatureKey(name, index + j) for j in range(len(row.media)))
+            index += len(row.media)
+            self.items_written += len(row.media)
+            record = ManifestRow(
+                id=row.id,
+                partition=row.partition,
+                messages=tuple(row.messages),
+                features=keys,
+                tokens=self.spec.tokens_per_item,
+                width=self.spec.feature_width,
+                dtype=self.data.feature_dtype,
+                provenance=self.provenance,
+            ).as_json()
+            line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+            manifest.write(line)
+            self.manifest_bytes += len(line.encode())
+            self.rows_written[row.partition] += 1
+        self.check_retained(0, f"after shard {name}")
+
+    def encode(self, rows: list[_PendingRow], bar: Any) -> torch.Tensor:
+        """Features of every item of ``rows`` in order; the bar advances per row as its last item is done."""
+        items = [(row.id, self.spec.decode_item(v)) for row in rows for v in row.media]
+        row_ends = set(itertools.accumulate(len(row.media) for row in rows))
+        expected = (self.spec.tokens_per_item, self.spec.feature_width)
+        out = []
+        step = self.data.encode_batch_size
+        for start in range(0, len(items), step):
+            batch = items[start : start + step]
+            with torch.inference_mode():
+                features = self.encoder.encode([item for _, item in batch])
+            if tuple(features.shape) != (len(batch), *expected):
+                raise PrepareError(
+                    f"encoder {self.spec.name!r} returned features of shape {tuple(features.shape)} for rows "
+                    f"{batch[0][0]}..{batch[-1][0]}; its spec declares ({len(batch)}, {expected[0]}, {expected[1]})"
+                )
+            out.append(features.detach().to("cpu", self.dtype))
+            bar.update(sum(1 for end in row_ends if start < end <= start + len(batch)))
+        return torch.cat(out)
+
+    # -- whole run -------------------------------------------------------------------------------------
+    def run(self) -> PrepareReport:
+        started = time.perf_counter()
+        selected = sum(p.rows for p in self.data.partitions)
+        self.check_retained(selected * self.item_bytes, f"for {selected} rows of features (before encoding)")
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.cache_dir.glob(f"{_TMP_PREFIX}*"):  # left by a killed run
+            stale.unlink(missing_ok=True)
+        manifest_path = self.out_dir / MANIFEST_NAME
+        manifest_tmp = self.out_dir / f"{_TMP_PREFIX}{MANIFEST_NAME}"
+        tmp = Path(tempfile.mkdtemp(prefix="stitch-prepare-"))
+        try:
+            stream = open_stream(self.data.source, tmp / "datasets")
+            stream = _raw_media_stream(stream, self.data.columns.media)
+            base = self.data.source.path if isinstance(self.data.source, LocalSource) else None
+            if base is not None and base.is_file():
+                base = base.parent
+            with open(manifest_tmp, "w", encoding="utf-8") as manifest, _progress(selected, self.progress) as bar:
+                for shard_rows in self.shards(self.valid_rows(stream, base)):
+                    self.flush(shard_rows, manifest, bar)
+                    self.check_transient(tmp)
+                    bar.set_postfix(encoded=self.shards_encoded, reused=self.shards_reused, refresh=False)
+            self.check_transient(tmp)
+            os.replace(manifest_tmp, manifest_path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            manifest_tmp.unlink(missing_ok=True)
+        for shard in self.cache_dir.glob("*.safetensors"):  # orphans of earlier recipes
+            if shard.name not in self.referenced:
+                shard.unlink()
+        total_rows = sum(self.rows_written.values())
+        retained = self.retained()
+        report = PrepareReport(
+            out_dir=str(self.out_dir),
+            rows=dict(self.rows_written),
+            rows_scanned=self.rows_scanned,
+            skipped=self.skipped,
+            shards_encoded=self.shards_encoded,
+            shards_reused=self.shards_reused,
+            items_encoded=self.items_encoded,
+            peak_transient_bytes=self.peak_transient,
+            retained_bytes=retained,
+            retained_bytes_per_row=retained / max(total_rows, 1),
+            payload_bytes_per_row=self.items_written * self.item_bytes / max(total_rows, 1),
+            seconds=time.perf_counter() - started,
+            provenance={**self.provenance, "dtype": self.data.feature_dtype, "recipe": self.recipe.name,
+                        "recipe_sha256": self.recipe.digest},
+        )
+        _write_json_atomic(self.out_dir / REPORT_NAME, dataclasses.asdict(report))
+        return report
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Any]:
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc="prepare", unit="row", disable=not enabled, leave=False) as bar:
+        yield bar
+
+
+def _write_json_atomic(path: Path, payload: Any) -> None:
+    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def prepare(
+    recipe: Recipe,
+    out_dir: Path | str,
+    *,
+    host: Any = None,
+    encoder: Any = None,
+    device: str = "cpu",
+    progress: bool = True,
+) -> PrepareReport:
+    """Prepare ``recipe``'s data into ``out_dir`` (``feature-cache/`` + ``manifest.jsonl`` + report).
+
+    ``encoder`` is an already-loaded encoder for ``recipe.encoder`` (otherwise it is loaded on first need).
+    Shards already in the cache are reused; once the new manifest is in place, shards it does not
+    reference are deleted. Run one preparation per ``out_dir`` at a time.
+    """
+    if host is None:
+        from stitch.plugins.host import get_host
+
+        host = get_host()
+    spec = host.get("encoders", recipe.encoder)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return _Preparation(recipe, out, spec, encoder, device, progress).run()

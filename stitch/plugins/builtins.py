@@ -1,0 +1,39 @@
+"""What the core registers itself: projectors, rollout engines and the demo recipe."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from stitch.plugins.hookspecs import hookimpl
+from stitch.plugins.specs import RecipeSpec
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "demo" / "recipes"
+
+
+@hookimpl
+def register_projectors(register):
+    from stitch.model.projector import PROJECTORS
+
+    for spec in PROJECTORS:
+        register(spec)
+
+
+@hookimpl
+def register_recipes(register):
+    register(RecipeSpec("demo", RECIPES_DIR / "demo.yaml", "counting shapes: tiny CLIP + the pre-trained tiny Qwen3.5 demo LM (CPU)"))
+
+
+@hookimpl
+def register_rollout_engines(register):
+    from stitch.plugins.specs import RolloutEngineSpec
+    from stitch.rollout.engines import EmbeddedEngine
+
+    register(RolloutEngineSpec(
+        "embedded", EmbeddedEngine, "transformers generate(inputs_embeds=...) on the live policy (all architectures)"
+    ))
+    if importlib.util.find_spec("vllm") is not None:  # vLLM itself is imported only when the engine is built
+        from stitch.rollout.vllm_engine import vllm_engine_factory
+
+        register(RolloutEngineSpec("vllm", vllm_engine_factory, "vLLM in-process: prompt embeddings, merged "
+                                   "weights refit in place (enable_prompt_embeds)"))

@@ -1,0 +1,206 @@
+"""What plugins register: one frozen dataclass per registry, each keyed by ``name``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where weights come from: a hub repo pinned to a revision, or a local snapshot directory."""
+
+    repo_id: str | None = None
+    revision: str | None = None
+    local_path: str | None = None
+    # A tiny preset: ``builder(dir)`` writes a random-init snapshot, built once into the stitch cache.
+    builder: Callable[[Path], None] | None = None
+    builder_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.builder is not None:
+            if not self.builder_key:
+                raise ValueError("a ModelSource with a builder needs a builder_key (its cache directory name)")
+        elif self.local_path is None and (self.repo_id is None or self.revision is None):
+            raise ValueError(
+                f"ModelSource needs a local_path, a builder, or a repo_id with a pinned revision; "
+                f"got repo_id={self.repo_id!r} revision={self.revision!r}"
+            )
+
+    def describe(self) -> str:
+        if self.builder is not None:
+            return f"tiny preset {self.builder_key} (built locally)"
+        return self.local_path or f"{self.repo_id}@{self.revision}"
+
+    def identity(self) -> dict[str, str | None]:
+        """What provenance records: the repo id and revision, or the local path / preset key."""
+        if self.builder is not None:
+            return {"id": f"tiny:{self.builder_key}", "revision": None}
+        if self.local_path is not None:
+            return {"id": self.local_path, "revision": None}
+        return {"id": self.repo_id, "revision": self.revision}
+
+    def pretrained_kwargs(self) -> dict[str, Any]:
+        """Arguments for ``from_pretrained``: a local path, or a repo id with its pinned revision."""
+        if self.builder is not None:
+            from stitch.model.snapshots import ensure_snapshot
+
+            return {"pretrained_model_name_or_path": str(ensure_snapshot(self.builder_key, self.builder))}
+        if self.local_path is not None:
+            return {"pretrained_model_name_or_path": self.local_path}
+        return {"pretrained_model_name_or_path": self.repo_id, "revision": self.revision}
+
+    def with_local_path(self, path: str) -> ModelSource:
+        return ModelSource(local_path=path)
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """A frozen encoder: declares its output contract and how to load it.
+
+    ``load(source, device, dtype)`` returns an object with ``encode(items) -> Tensor[B, tokens, width]``;
+    ``decode_item(value)`` turns one raw dataset value (bytes, path, PIL image...) into an item, raising
+    ``ValueError`` on corrupt input. A tiny preset is its own registration whose source has a builder.
+    """
+
+    name: str
+    modality: str
+    feature_width: int
+    tokens_per_item: int
+    source: ModelSource
+    load: Callable[..., Any]
+    decode_item: Callable[[Any], Any]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class SentinelSpec:
+    """Single-token markers that bracket the soft tokens of one item, for one tokenizer family."""
+
+    name: str  # the tokenizer family, e.g. "qwen3.5"
+    start: str
+    placeholder: str
+    end: str
+    description: str = ""
+
+    @property
+    def tokens(self) -> tuple[str, str, str]:
+        return (self.start, self.placeholder, self.end)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A base LM binding: how to load it, its LoRA targets (and the exclusions, with reasons), its tiny preset."""
+
+    name: str
+    architecture: str  # the transformers class name, e.g. "Qwen3_5ForCausalLM"
+    sentinels: str  # a SentinelSpec name
+    source: ModelSource
+    hidden_size: int
+    lora_target_modules: tuple[str, ...]
+    lora_exclusions: Mapping[str, str] = field(default_factory=dict)
+    lora_target_parameters: tuple[str, ...] = ()
+    # (ModelSpec, source, dtype, trust_remote_code) -> model; None means the class's from_pretrained
+    load: Callable[..., Any] | None = None
+    state_dict_adapter: str | None = None
+    supports_packing: bool = True
+    packing_note: str = ""
+    # packing also holds while this returns True (e.g. kernels that keep sample boundaries are installed)
+    packing_when: Callable[[], bool] | None = None
+    # optional fused kernels: import name -> pip package; without them transformers runs PyTorch reference code
+    kernels: Mapping[str, str] = field(default_factory=dict)
+    description: str = ""
+
+    def packs(self) -> bool:
+        """Whether training packs samples for this model on this machine (see ``packing_note`` when not)."""
+        return self.supports_packing or (self.packing_when is not None and bool(self.packing_when()))
+
+
+@dataclass(frozen=True)
+class StateDictAdapterSpec:
+    """A key mapping between two checkpoint layouts; ``convert`` must refuse keys it cannot place."""
+
+    name: str
+    source_layout: str
+    target_layout: str
+    convert: Callable[[Mapping[str, Any]], dict[str, Any]]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class RolloutPayloadSpec:
+    """How one modality's rows reach a rollout engine: the fields (declared once), a builder, a validator."""
+
+    name: str
+    modality: str
+    fields: tuple[str, ...]
+    build: Callable[..., dict[str, Any]]
+    validate: Callable[[Mapping[str, Any]], None]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class RolloutEngineSpec:
+    """A generation backend: ``factory(model, tokenizer, **options)`` returns an engine."""
+
+    name: str
+    factory: Callable[..., Any]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ProjectorSpec:
+    """A projector architecture: ``build(feature_width, hidden_size)`` returns an ``nn.Module``."""
+
+    name: str
+    build: Callable[[int, int], Any]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """A shipped recipe file."""
+
+    name: str
+    path: Path
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """What a task sees of one prepared row: its id, the question, the recorded answer, and any extra text
+    columns the recipe kept (``data.columns.extra``), e.g. ``rejected`` for user preference pairs."""
+
+    id: str
+    question: str
+    answer: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a dataset is trained and judged on.
+
+    - ``reward(completion, row) -> float``: GRPO's verifiable reward of one sampled completion.
+    - ``grade(completion, row) -> float``: evaluation's score of one greedy answer (1.0 = correct); the held-out
+      ``eval_accuracy`` is its mean. None: ``reward`` grades too.
+    - ``accepts(row) -> bool``: whether a row can be rewarded and graded at all (a counting task skips caption
+      rows); None accepts every row.
+    - ``rejected(row, rng) -> str | None``: DPO's rejected answer for a row (chosen = the recorded answer); None
+      means the pairs come from the dataset's ``rejected`` column (``data.columns.rejected``).
+    """
+
+    name: str
+    reward: Callable[[str, TaskRow], float]
+    grade: Callable[[str, TaskRow], float] | None = None
+    accepts: Callable[[TaskRow], bool] | None = None
+    rejected: Callable[[TaskRow, Any], str | None] | None = None
+    description: str = ""
+
+    def score(self, completion: str, row: TaskRow) -> float:
+        return float((self.grade or self.reward)(completion, row))
+
+    def takes(self, row: TaskRow) -> bool:
+        return True if self.accepts is None else bool(self.accepts(row))

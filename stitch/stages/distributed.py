@@ -1,0 +1,242 @@
+"""Data parallelism for alignment and SFT under ``torchrun``: the process group from the launcher's environment,
+FSDP2 sharding of the stitched model (one unit per decoder layer, the projector, the root), rank-0-only output,
+and full-tensor gathers so checkpoints keep the one-process layout (and resume at any world size).
+
+    torchrun --nproc-per-node 2 -m stitch train sft --recipe R --out DIR
+
+Every rank draws the same packs from the same PackedStream and trains on ``packs[rank::world]``; the loss is
+normalised by the global label-token count, so the gradient is the one-process gradient of the same batch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def launch_world_size() -> int:
+    """WORLD_SIZE as torchrun set it (1 when the process was started any other way)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launch_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+@dataclass
+class DataParallel:
+    """One rank's view of the data-parallel group; ``world_size == 1`` is the plain one-process run."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: str | None = None  # None: the session's default (cuda if present, else cpu)
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> DataParallel:
+        """Join torchrun's process group (nccl on GPUs, gloo on CPU); a no-op outside torchrun.
+
+        The group is made once per process and kept for later stages (destroyed at exit): re-creating the
+        default group under torchrun reuses the same store keys, and a rank that re-joins early hangs."""
+        world = launch_world_size()
+        if world <= 1:
+            return cls()
+        import torch.distributed as dist
+
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+            device, backend = f"cuda:{local_rank}", "nccl"
+        else:
+            device, backend = "cpu", "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, device_id=torch.device(device) if backend == "nccl" else None)
+            atexit.register(_leave_group)
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    # -- model -------------------------------------------------------------------------------------
+    def shard(self, model: nn.Module) -> nn.Module:
+        """FSDP2 over a data-parallel mesh: each decoder layer, the projector, then the root (embeddings,
+        final norm, head). Frozen base weights and their LoRA share a unit; only trainable ones reduce-scatter.
+        Call after any trainable state is loaded (full tensors into the plain module) and before the optimizer
+        is built (sharding replaces the parameters with DTensors)."""
+        if not self.active:
+            return model
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        mesh = init_device_mesh(torch.device(self.device).type, (self.world_size,), mesh_dim_names=("dp",))
+        for layer in reversed(decoder_layers(model.lm)):  # innermost first, should the classes nest
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model.projector, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        # training calls model.loss(), not forward(): the root unit must gather around it too
+        register_fsdp_forward_method(model, "loss")
+        return model
+
+    def rows(self, packs: list[Any]) -> list[Any]:
+        """This rank's share of the global batch."""
+        return packs[self.rank :: self.world_size] if self.active else packs
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks (float64, so token counts stay exact)."""
+        if not self.active:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def gather_object(self, value: Any) -> list[Any]:
+        if not self.active:
+            return [value]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """``clip_grad_norm_`` over (possibly sharded) gradients: the norm of the full gradient on every rank."""
+        if not self.active:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    @contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[None]:
+        """Every unit gathered and kept gathered (e.g. for generation in evaluation); resharded after."""
+        if not self.active:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_reshard_after_forward(True, recurse=False)
+                unit.reshard()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def full_trainable_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every trainable tensor, whole and on CPU, keyed like ``model.named_parameters()``; collective:
+        all ranks call it, rank 0 gets the tensors (other ranks get an empty dict)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        state = get_model_state_dict(model, options=options)
+        if not any(p.requires_grad for p in model.projector.parameters()):
+            # a frozen projector (train_projector: false) still gets its artifact in every checkpoint
+            for key, value in model.projector.state_dict().items():
+                full = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+                if self.is_main:
+                    state[f"projector.{key}"] = full
+        return state
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer.state_dict()`` with every sharded tensor gathered whole onto CPU: exactly the layout a
+        one-process run saves, so optimizer.pt resumes at any world size. Collective; meaningful on rank 0."""
+        from torch.distributed.tensor import DTensor
+
+        state = optimizer.state_dict()
+        full = {}
+        for index, entry in state["state"].items():  # same order on every rank: the collectives line up
+            full[index] = {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() if torch.is_tensor(v) else v
+                for k, v in entry.items()
+            }
+        return {"state": full, "param_groups": state["param_groups"]}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a one-process-layout optimizer state (full tensors) into an optimizer over sharded parameters."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, entry in state["state"].items():
+            param = params[int(index)]
+            if not isinstance(param, DTensor):
+                continue
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.shape == param.shape and key != "step":
+                    entry[key] = distribute_tensor(
+                        value.to(device=param.device_mesh.device_type, dtype=param.dtype),
+                        param.device_mesh, param.placements,
+                    )
+        optimizer.load_state_dict(state)
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The LM's repeated blocks: the classes transformers marks ``_no_split_modules`` (its own FSDP/accelerate
+    wrapping unit), else the entries of the ``layers`` ModuleList."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in base.modules() if type(m).__name__ in names]
+    if not layers:
+        for name, module in base.named_modules():
+            if isinstance(module, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks"):
+                layers = list(module)
+                break
+    if not layers:
+        raise RuntimeError(f"{type(base).__name__}: found no decoder layers to shard (no _no_split_modules, no "
+                           f"'layers' ModuleList)")
+    return layers
+
+
+def save_trainable_full(session: Any, model: nn.Module, step_dir: Any, stage: str,
+                        state: dict[str, torch.Tensor]) -> None:
+    """Rank 0: the same artifacts ``StitchSession.save_trainable`` writes, from gathered full tensors."""
+    from stitch.model.artifacts import save_projector_artifact
+    from stitch.stages.session import resolved_lora_targets
+
+    hidden = model.lm.config.get_text_config().hidden_size
+    projector = {k.removeprefix("projector."): v for k, v in state.items() if k.startswith("projector.")}
+    save_projector_artifact(step_dir / "projector", projector, session.projector_provenance(hidden, stage))
+    if hasattr(model.lm, "peft_config"):
+        lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+        model.lm.save_pretrained(str(step_dir / "adapter"), safe_serialization=True, state_dict=lm_state)
+        cfg = json.loads((step_dir / "adapter" / "adapter_config.json").read_text())
+        resolved = resolved_lora_targets(model.lm)
+        configured = set(cfg.get("target_modules") or [])
+        if configured and resolved != {t.split(".")[-1] for t in configured} and resolved != configured:
+            raise RuntimeError(f"LoRA wrapped {sorted(resolved)}, but the model plugin asked for {sorted(configured)}")
