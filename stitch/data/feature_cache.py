@@ -10,11 +10,13 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from stitch.plugins.specs import TaskRow
 
 CACHE_DIRNAME = "feature-cache"
 MANIFEST_NAME = "manifest.jsonl"
@@ -52,6 +54,8 @@ class ManifestRow:
     width: int  # feature width
     dtype: str
     provenance: Mapping[str, Any]
+    # text columns kept beside the conversation for the task (e.g. ``rejected`` for DPO pairs)
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def num_items(self) -> int:
@@ -67,6 +71,10 @@ class ManifestRow:
     def answer(self) -> str:
         return self.messages[-1]["content"]
 
+    def task_row(self) -> TaskRow:
+        """What a task (reward, grader, pair source) sees of this row."""
+        return TaskRow(self.id, self.question, self.answer, dict(self.extra))
+
     def as_json(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -77,6 +85,7 @@ class ManifestRow:
             "width": self.width,
             "dtype": self.dtype,
             "provenance": dict(self.provenance),
+            **({"extra": dict(self.extra)} if self.extra else {}),
         }
 
     @classmethod
@@ -91,6 +100,7 @@ class ManifestRow:
                 width=int(record["width"]),
                 dtype=str(record["dtype"]),
                 provenance=dict(record.get("provenance", {})),
+                extra=dict(record.get("extra", {})),
             )
         except (KeyError, TypeError, ValueError) as exc:
             row_id = record.get("id", "?") if isinstance(record, Mapping) else "?"

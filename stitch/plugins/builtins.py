@@ -37,3 +37,10 @@ def register_rollout_engines(register):
 
         register(RolloutEngineSpec("vllm", vllm_engine_factory, "vLLM in-process: prompt embeddings, merged "
                                    "weights refit in place (enable_prompt_embeds)"))
+
+
+@hookimpl
+def register_tasks(register):
+    from stitch.demo.counting import COUNTING
+
+    register(COUNTING)
