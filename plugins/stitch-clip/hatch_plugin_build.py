@@ -1,0 +1,1 @@
+../hatch_plugin_build.py
