@@ -96,8 +96,12 @@ class Stitched:
 
     @torch.no_grad()
     def answer(self, raw: Any, question: str, max_new_tokens: int = 24) -> str:
-        features = self.encode(raw)
-        ids = self.tokenizer(self.prompt_text(question), add_special_tokens=False)["input_ids"]
+        return self.answer_features(self.encode(raw), question, max_new_tokens)
+
+    @torch.no_grad()
+    def answer_features(self, features: torch.Tensor, question: str, max_new_tokens: int = 24) -> str:
+        """Greedy answer from already-encoded features ``[items, tokens, width]`` (e.g. the feature cache)."""
+        ids = self.tokenizer(self.prompt_text(question, features.shape[0]), add_special_tokens=False)["input_ids"]
         embeds = self.model.embed(torch.tensor([ids], device=self.device), features.to(self.device), ["input"])[0]
         (completion,) = self.engine.generate([embeds], 1, max_new_tokens, greedy=True)
         return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)

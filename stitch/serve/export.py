@@ -1,0 +1,78 @@
+"""`stitch export`: a trained checkpoint as files that plain transformers (and any engine) loads.
+
+``OUT/model/`` is the base LM with the LoRA adapter merged in (peft's ``merge_and_unload``), saved with
+``save_pretrained`` (safetensors) with its tokenizer; ``OUT/projector/`` is the projector artifact (safetensors +
+manifest with provenance); ``OUT/stitch-export.json`` names the encoder (and its pinned source), the sentinels,
+the projector type and the prompt layout, so a user can rebuild the soft tokens without stitch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXPORT_FORMAT = "stitch.export/1"
+
+
+def export_checkpoint(checkpoint: Path, out_dir: Path, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Merge ``checkpoint``'s adapter into its base LM and write the export to ``out_dir`` (atomically: a
+    temporary sibling directory renamed into place). Returns the export manifest."""
+    from peft import PeftModel
+
+    from stitch.data.collator import media_block
+    from stitch.data.sentinels import resolve_sentinels
+    from stitch.model.loading import load_model, load_tokenizer
+    from stitch.plugins.host import get_host
+    from stitch.serve.inference import resolve_checkpoint
+
+    resolved = resolve_checkpoint(Path(checkpoint))
+    projector_manifest = json.loads((resolved.projector_dir / "manifest.json").read_text())
+    host = get_host()
+    model_spec = host.get("models", projector_manifest["base_model"])
+    encoder_spec = host.get("encoders", projector_manifest["encoder"])
+    tokenizer = load_tokenizer(model_spec)
+    sentinel_spec = host.get("token_sentinels", model_spec.sentinels)
+    sentinel_ids = resolve_sentinels(sentinel_spec, tokenizer)
+    if sentinel_ids.as_dict() != projector_manifest["sentinel_ids"]:
+        raise ValueError(f"{resolved.projector_dir}: the projector was trained with sentinel ids "
+                         f"{projector_manifest['sentinel_ids']}, but {model_spec.name}'s tokenizer gives "
+                         f"{sentinel_ids.as_dict()}")
+    lm = load_model(model_spec, dtype=dtype)
+    merged = PeftModel.from_pretrained(lm, str(resolved.adapter_dir)).merge_and_unload()
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        merged.save_pretrained(tmp / "model", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        shutil.copytree(resolved.projector_dir, tmp / "projector")
+        tokens = encoder_spec.tokens_per_item
+        source = encoder_spec.source.identity()
+        manifest = {
+            "format": EXPORT_FORMAT,
+            "checkpoint": str(resolved.step_dir),
+            "base_model": model_spec.name,
+            "architecture": type(merged).__name__,
+            "encoder": {"name": encoder_spec.name, "id": source["id"], "revision": source["revision"],
+                        "modality": encoder_spec.modality, "feature_width": encoder_spec.feature_width,
+                        "tokens_per_item": tokens},
+            "projector": {"type": projector_manifest["projector_type"], "dir": "projector"},
+            "sentinels": {"start": sentinel_spec.start, "placeholder": sentinel_spec.placeholder,
+                          "end": sentinel_spec.end, "ids": sentinel_ids.as_dict()},
+            # the prompt: the chat template over one user turn "<media block>\n<question>", generation prompt on
+            "prompt": {"media_block": media_block(tokenizer, sentinel_ids, tokens, 1), "media_position":
+                       "first user turn, followed by a newline", "chat_template": "model/tokenizer_config.json"},
+        }
+        (tmp / "stitch-export.json").write_text(json.dumps(manifest, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
