@@ -8,6 +8,7 @@ prompt followed by the final answer and EOS; only the answer and EOS carry label
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,11 +61,9 @@ def render_prompt(
     tokens_per_item: int,
     num_items: int = 1,
 ) -> str:
-    """The exact prompt text (chat template + generation prompt) for a question or a conversation prefix.
-
-    The media block (one per item, then a newline) opens the first user turn. Training, rollouts and
-    inference all call this function, so their prompts are byte-identical.
-    """
+    """The prompt as text (chat template + generation prompt), for display and export: the media block (one per
+    item, then a newline) opens the first user turn. Tokenize prompts with ``prompt_token_ids``, never by
+    tokenizing this text (a sentinel spelled in the question would become a control token)."""
     messages = _conversation(question)
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:
@@ -76,6 +75,9 @@ def render_prompt(
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+_MARK = re.compile("\ue000(\\d+)\ue001")  # private-use code points: never in a tokenizer's special tokens
+
+
 def prompt_token_ids(
     tokenizer: Any,
     question: str | Messages,
@@ -83,9 +85,58 @@ def prompt_token_ids(
     tokens_per_item: int,
     num_items: int = 1,
 ) -> list[int]:
-    """``render_prompt`` tokenized the one way training does (no extra special tokens: the template has them)."""
-    text = render_prompt(tokenizer, question, sentinels, tokens_per_item, num_items)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    """The prompt's token ids: the chat template's own markup tokenized as usual (its control tokens are
+    special), every message's text tokenized with ``split_special_tokens`` (a question that spells
+    ``<|vision_start|>`` or ``<|im_end|>`` stays text), and the media block inserted as sentinel ids.
+
+    Training, rollouts, evaluation, DPO, inference and serving all tokenize prompts here.
+    """
+    s = _sentinels(tokenizer, sentinels)
+    messages = _conversation(question)
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise CollatorError(f"a prompt needs a user turn; got roles {[m['role'] for m in messages]}")
+    media = [s.ids.start, *[s.ids.placeholder] * tokens_per_item, s.ids.end] * num_items
+    pieces: list[list[int] | str] = []
+
+    def mark(piece: list[int] | str) -> str:
+        pieces.append(piece)
+        return f"\ue000{len(pieces) - 1}\ue001"
+
+    marked = []
+    for i, message in enumerate(messages):
+        content = mark(message["content"])
+        if num_items and i == users[0]:
+            content = f"{mark(media)}\n{content}"
+        marked.append({"role": message["role"], "content": content})
+    rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    ids: list[int] = []
+    seen: list[int] = []
+    position = 0
+    for match in _MARK.finditer(rendered):
+        ids += _text_ids(tokenizer, rendered[position : match.start()], markup=True)
+        index = int(match.group(1))
+        seen.append(index)
+        piece = pieces[index]
+        ids += piece if isinstance(piece, list) else _text_ids(tokenizer, piece, markup=False)
+        position = match.end()
+    ids += _text_ids(tokenizer, rendered[position:], markup=True)
+    if sorted(seen) != list(range(len(pieces))):
+        raise CollatorError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} dropped or repeated "
+                            f"message content ({len(pieces)} pieces, rendered {len(seen)})")
+    return ids
+
+
+def _text_ids(tokenizer: Any, text: str, *, markup: bool) -> list[int]:
+    """Token ids of template markup (special tokens recognised) or of data text (special-token strings split)."""
+    if not text:
+        return []
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=not markup)["input_ids"]
+
+
+def answer_token_ids(tokenizer: Any, answer: str) -> list[int]:
+    """The answer's ids, its text tokenized as text (special-token strings split), then EOS."""
+    return _text_ids(tokenizer, answer, markup=False) + [tokenizer.eos_token_id]
 
 
 def tokenize_example(
@@ -111,7 +162,7 @@ def tokenize_example(
     if eos is None:
         raise CollatorError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no eos_token_id")
     prompt = prompt_token_ids(tokenizer, messages[:-1], sentinels, tokens_per_item, num_items)
-    answer = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"] + [eos]
+    answer = answer_token_ids(tokenizer, messages[-1]["content"])
     sentinel_ids = {s.ids.start, s.ids.placeholder, s.ids.end}
     for role, want in (("start", num_items), ("placeholder", num_items * tokens_per_item), ("end", num_items)):
         got = prompt.count(getattr(s.ids, role))
