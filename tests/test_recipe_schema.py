@@ -13,15 +13,9 @@ import pytest
 import yaml
 from stitch_testing import write_recipe
 
+from stitch.config.describe import reference_markdown, schema_fields
 from stitch.config.options import SFTOptions
-from stitch.config.recipe import (
-    RecipeError,
-    TaskConfig,
-    load_recipe,
-    parse_recipe,
-    reference_markdown,
-    schema_fields,
-)
+from stitch.config.recipe import RecipeError, RecipeFile, TaskConfig, load_recipe, parse_recipe
 from stitch.plugins.host import load_plugins
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
@@ -273,9 +267,9 @@ def test_recipe_schema_prints_a_json_schema_that_refuses_unknown_stage_options(m
 
 def test_docs_recipes_lists_every_recipe_field():
     text = DOC.read_text()
-    missing = [path for path, *_ in schema_fields() if f"`{path}`" not in text]
+    missing = [path for path, *_ in schema_fields(RecipeFile) if f"`{path}`" not in text]
     assert not missing, f"docs/recipes.md does not list {missing}"
 
 
 def test_docs_recipes_reference_table_is_the_one_the_schema_generates():
-    assert reference_markdown() in DOC.read_text(), "regenerate it: stitch recipe schema --markdown"
+    assert reference_markdown(RecipeFile) in DOC.read_text(), "regenerate it: stitch recipe schema --markdown"

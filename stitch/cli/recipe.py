@@ -32,6 +32,8 @@ def schema(
     markdown: bool = typer.Option(False, "--markdown", help="Print the option reference table of docs/recipes.md."),
 ) -> None:
     """Print the JSON schema of a recipe file (or the option reference as a markdown table)."""
-    from stitch.config.recipe import recipe_json_schema, reference_markdown
+    from stitch.config.describe import reference_markdown
+    from stitch.config.recipe import RecipeFile, recipe_json_schema
 
-    typer.echo(reference_markdown() if markdown else json.dumps(recipe_json_schema(), indent=2), nl=not markdown)
+    text = reference_markdown(RecipeFile) if markdown else json.dumps(recipe_json_schema(), indent=2) + "\n"
+    typer.echo(text, nl=False)

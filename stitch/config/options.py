@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 from annotated_types import Ge, Gt, Lt
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic import Strict as StrictValue
-from pydantic_core import PydanticCustomError
+
+from stitch.config.describe import field_error
 
 # -- value types shared by the whole recipe schema --------------------------------------------------------
 # Integers and booleans are strict: YAML already types them, and a `yes` or `2.5` where a count belongs is a
@@ -42,18 +43,6 @@ Flag = Annotated[bool, StrictValue()]
 Text = Annotated[str, StrictValue()]
 
 STRICT_CONFIG = ConfigDict(extra="forbid", frozen=True)
-
-
-_ABSENT = object()
-
-
-def field_error(field: str, expected: str, actual: Any = _ABSENT) -> PydanticCustomError:
-    """A cross-field refusal that ``stitch.config.recipe`` reports as ``field '<path>.<field>': expected ...,
-    got ...`` (or ``... is missing`` when no actual value is given)."""
-    ctx = {"field": field, "expected": expected}
-    if actual is not _ABSENT:
-        ctx["actual"] = repr(actual)
-    return PydanticCustomError("recipe_field", "expected {expected}", ctx)
 
 
 class Strict(BaseModel):

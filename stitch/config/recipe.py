@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import re
-import types
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass as plain_dataclass
 from dataclasses import field as plain_field
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from annotated_types import Ge, Gt, Le, Lt
+from annotated_types import Ge
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -34,18 +33,9 @@ from pydantic import (
     model_validator,
 )
 from pydantic.dataclasses import dataclass
-from pydantic.fields import FieldInfo
 
-from stitch.config.options import (
-    STAGE_OPTIONS,
-    Int,
-    PositiveInt,
-    PositiveNumber,
-    StageOptions,
-    Strict,
-    Text,
-    field_error,
-)
+from stitch.config.describe import CHOICE_ERROR, field_error, format_validation_error, short_repr
+from stitch.config.options import STAGE_OPTIONS, Int, PositiveInt, PositiveNumber, StageOptions, Strict, Text
 
 FEATURE_DTYPES = ("float16", "bfloat16", "float32")
 SOURCE_FORMATS = ("parquet", "json", "imagefolder")
@@ -126,26 +116,27 @@ class HubSource:
         return f"hub:{self.hub}{config}@{self.revision}[{self.split}]"
 
 
-_SOURCE_TAGS: dict[str, type] = {"source:builtin": BuiltinSource, "source:path": LocalSource, "source:hub": HubSource}
+_SOURCE_KINDS: dict[str, type] = {"builtin": BuiltinSource, "path": LocalSource, "hub": HubSource}
 
 
 def _source_kind(value: Any) -> str | None:
-    for tag, cls in _SOURCE_TAGS.items():
+    """The union tag of a data source: its class, or the one kind key its mapping holds."""
+    for key, cls in _SOURCE_KINDS.items():
         if isinstance(value, cls):
-            return tag
+            return f"{key} source"
     if isinstance(value, Mapping):
-        keys = [k for k in ("builtin", "path", "hub") if k in value]
-        return f"source:{keys[0]}" if len(keys) == 1 else None
+        keys = [k for k in _SOURCE_KINDS if k in value]
+        return f"{keys[0]} source" if len(keys) == 1 else None
     return None
 
 
 DataSource = Annotated[
     Union[  # noqa: UP007  (a tagged union needs the Union spelling)
-        Annotated[BuiltinSource, Tag("source:builtin")],
-        Annotated[LocalSource, Tag("source:path")],
-        Annotated[HubSource, Tag("source:hub")],
+        Annotated[BuiltinSource, Tag("builtin source")],
+        Annotated[LocalSource, Tag("path source")],
+        Annotated[HubSource, Tag("hub source")],
     ],
-    Discriminator(_source_kind, custom_error_type="source_kind",
+    Discriminator(_source_kind, custom_error_type=CHOICE_ERROR,
                   custom_error_message="exactly one of 'builtin', 'path' or 'hub'"),
 ]
 
@@ -220,10 +211,8 @@ def _partitions(value: Any) -> tuple[Partition, ...]:
     parts.sort(key=lambda p: p.start)
     for before, after in zip(parts, parts[1:], strict=False):
         if after.start < before.end:
-            raise field_error(
-                "", "partitions that do not overlap (a valid row belongs to at most one partition)",
-                f"{before.name} [{before.start}, {before.end}) and {after.name} [{after.start}, {after.end}) overlap",
-            )
+            raise field_error("", "partitions that do not overlap (a valid row belongs to at most one)",
+                              {before.name: [before.start, before.end], after.name: [after.start, after.end]})
     return tuple(parts)
 
 
@@ -505,7 +494,7 @@ def parse_recipe(mapping: Any, *, path: Path | None = None, overrides: Iterable[
     try:
         checked = RecipeFile.model_validate(mapping, context={"base_dir": path.parent if path else None})
     except ValidationError as exc:
-        raise RecipeError(format_validation_error(exc, where, overrides)) from None
+        raise RecipeError(format_validation_error(exc, RecipeFile, where, overrides)) from None
     return Recipe(
         name=checked.name,
         model=checked.model,
@@ -544,7 +533,7 @@ def apply_overrides(mapping: Any, overrides: Iterable[str], where: str = "recipe
     """A copy of ``mapping`` with each ``dotted.key=value`` set (missing parent mappings are created; the
     schema then refuses a key that does not exist, naming its path)."""
     if not isinstance(mapping, Mapping):
-        raise RecipeError(f"{where}: expected a mapping at the top of the file, got {_short(mapping)}")
+        raise RecipeError(f"{where}: expected a mapping at the top of the file, got {short_repr(mapping)}")
     result = _copy_mapping(mapping)
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -562,7 +551,7 @@ def apply_overrides(mapping: Any, overrides: Iterable[str], where: str = "recipe
                 child = node[part] = {}
             elif not isinstance(child, dict):
                 prefix = ".".join(parts[: depth + 1])
-                raise RecipeError(f"{where}: override {item!r}: field {prefix!r} holds {_short(child)}, not a "
+                raise RecipeError(f"{where}: override {item!r}: field {prefix!r} holds {short_repr(child)}, not a "
                                   f"mapping, so it has no field {parts[depth + 1]!r}")
             node = child
         node[parts[-1]] = value
@@ -584,205 +573,12 @@ def _where(path: Path | None, mapping: Any) -> str:
     return f"recipe {name!r}" if isinstance(name, str) else "recipe"
 
 
-# -- errors ----------------------------------------------------------------------------------------------------
-
-_UNKNOWN = {"extra_forbidden", "unexpected_keyword_argument"}
-_MISSING = {"missing", "missing_argument", "missing_keyword_only_argument"}
-_RANGE = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "string_too_short"}
-
-
-def format_validation_error(exc: ValidationError, where: str, overrides: Sequence[str] = ()) -> str:
-    """One line for the first error pydantic found: the dotted field path, what was expected, what was found."""
-    errors = exc.errors(include_url=False)
-    err = errors[0]
-    loc = tuple(err["loc"])
-    ctx = err.get("ctx") or {}
-    path = _dotted(loc)
-    if err["type"] == "recipe_field":
-        path = ".".join(p for p in (path, ctx["field"]) if p)
-        message = (f"field {path!r}: expected {ctx['expected']}, got {ctx['actual']}" if "actual" in ctx
-                   else f"field {path!r} is missing; expected {ctx['expected']}")
-    elif err["type"] in _UNKNOWN:
-        known = _known_fields(loc[:-1])
-        message = f"unknown field {path!r}" + (f"; expected one of {', '.join(known)}" if known else "")
-    elif err["type"] in _MISSING:
-        info = _field_at(loc)
-        expected = _expected(info) if info else "a value"
-        if info is not None and info.description:
-            expected += f" ({info.description})"
-        message = f"field {path!r} is missing; expected {expected}"
-    elif err["type"] == "source_kind":
-        message = f"field {path!r}: expected exactly one of 'builtin', 'path' or 'hub', got {_short(err['input'])}"
-    else:
-        info = _field_at(loc)
-        # a value of the right type but out of range: "or null" would not help
-        expected = (_expected(info, nullable=err["type"] not in _RANGE) if info
-                    else err["msg"][0].lower() + err["msg"][1:])
-        message = f"field {path!r}: expected {expected}, got {_short(err['input'])}"
-    origin = [o for o in overrides if path == _override_key(o) or path.startswith(_override_key(o) + ".")]
-    if origin:
-        message += f" (set by override {origin[-1]!r})"
-    if len(errors) > 1:
-        message += f" [{len(errors) - 1} more error(s) after this one]"
-    return f"{where}: {message}"
-
-
-def _override_key(item: str) -> str:
-    return item.partition("=")[0].strip()
-
-
-def _short(value: Any, limit: int = 160) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _dotted(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in loc if p not in _SOURCE_TAGS and not isinstance(p, int))
-
-
-def _fields_of(cls: Any) -> dict[str, FieldInfo] | None:
-    fields = getattr(cls, "__pydantic_fields__", None)
-    return fields if isinstance(fields, dict) else None
-
-
-def _model_in(annotation: Any) -> Any:
-    """The schema class (model or pydantic dataclass) an annotation holds, through Optional and Annotated."""
-    base, _, _ = _unwrap(annotation)
-    return base if _fields_of(base) is not None else None
-
-
-def _owner_at(loc: tuple[Any, ...]) -> Any:
-    """The schema class whose fields live at ``loc`` (a path of field names, source tags included)."""
-    owner: Any = RecipeFile
-    for part in loc:
-        if part in _SOURCE_TAGS:
-            owner = _SOURCE_TAGS[part]
-            continue
-        fields = _fields_of(owner)
-        if fields is None or part not in fields:
-            return None
-        owner = _model_in(fields[part].annotation) or fields[part].annotation
-    return owner
-
-
-def _field_at(loc: tuple[Any, ...]) -> FieldInfo | None:
-    loc = tuple(p for p in loc if not isinstance(p, int))
-    if not loc:
-        return None
-    fields = _fields_of(_owner_at(loc[:-1]))
-    return fields.get(loc[-1]) if fields else None
-
-
-def _known_fields(loc: tuple[Any, ...]) -> list[str]:
-    fields = _fields_of(_owner_at(loc))
-    return list(fields) if fields else []
-
-
-def _unwrap(annotation: Any) -> tuple[Any, list[Any], bool]:
-    """(base type, constraint metadata, nullable) of an annotation."""
-    metadata: list[Any] = []
-    nullable = False
-    while True:
-        origin = get_origin(annotation)
-        if origin is Annotated:
-            annotation, *extra = get_args(annotation)
-            metadata.extend(extra)
-        elif origin in (Union, types.UnionType):
-            args = [a for a in get_args(annotation) if a is not type(None)]
-            nullable = nullable or len(args) < len(get_args(annotation))
-            if len(args) != 1:
-                return annotation, metadata, nullable
-            annotation = args[0]
-        else:
-            return annotation, metadata, nullable
-
-
-def _expected(info: FieldInfo, nullable: bool = True) -> str:
-    """What a field accepts, in words: 'a positive integer', 'a number in [0, 1)', 'one of a, b or null'."""
-    base, metadata, optional = _unwrap(info.annotation)
-    nullable = nullable and optional
-    metadata = [*metadata, *info.metadata]
-    if base is TaskConfig:
-        text = "a registered task name or a mapping {name} / {reward, grade}"
-    elif get_origin(base) is Literal:
-        text = "one of " + ", ".join(str(a) for a in get_args(base))
-    elif base is bool:
-        text = "true or false"
-    elif base in (int, float):
-        text = _numeric(base, metadata)
-    elif base is str:
-        text = "text"
-    elif base is Path:
-        text = "a path"
-    elif get_origin(base) is tuple and info.annotation is not None and "Partition" in str(info.annotation):
-        text = "a mapping of partition name to [start, end)"
-    else:
-        text = "a mapping"
-    return text + (" or null" if nullable else "")
-
-
-def _numeric(base: type, metadata: list[Any]) -> str:
-    kind = "integer" if base is int else "number"
-    bounds = {type(m): m for m in metadata if isinstance(m, Ge | Gt | Le | Lt)}
-    low, high = bounds.get(Ge) or bounds.get(Gt), bounds.get(Le) or bounds.get(Lt)
-    if high is None and isinstance(low, Gt) and low.gt == 0:
-        return f"a positive {kind}"
-    if high is None and isinstance(low, Ge) and low.ge == 0:
-        return f"a non-negative {kind}"
-    article = "an" if kind == "integer" else "a"
-    if low is not None and high is not None:
-        left = f"[{low.ge}" if isinstance(low, Ge) else f"({low.gt}"
-        right = f"{high.le}]" if isinstance(high, Le) else f"{high.lt})"
-        return f"{article} {kind} in {left}, {right}"
-    if low is not None:
-        return f"{article} {kind} " + (f">= {low.ge}" if isinstance(low, Ge) else f"> {low.gt}")
-    if high is not None:
-        return f"{article} {kind} " + (f"<= {high.le}" if isinstance(high, Le) else f"< {high.lt}")
-    return f"{article} {kind}"
-
-
-# -- schema and reference ----------------------------------------------------------------------------------------
+# -- schema ----------------------------------------------------------------------------------------------------
 
 
 def recipe_json_schema() -> dict[str, Any]:
     """The JSON schema of a recipe file (what `stitch recipe schema` prints)."""
     return RecipeFile.model_json_schema()
-
-
-def schema_fields(owner: Any = RecipeFile, prefix: str = "", note: str = "") -> Iterator[tuple[str, str, str, str]]:
-    """(dotted path, expected, default, description) of every field of the recipe schema; each data source
-    kind's fields appear under ``data.source``, their description prefixed with the kind."""
-    for name, info in (_fields_of(owner) or {}).items():
-        path = f"{prefix}{name}"
-        base, _, _ = _unwrap(info.annotation)
-        members = [a for a in get_args(base) if _fields_of(_unwrap(a)[0]) is not None] if get_origin(base) in (
-            Union, types.UnionType) else []
-        nested = _model_in(info.annotation)
-        if nested is None or base is TaskConfig:  # a task is also written as a plain name
-            yield path, _expected(info), _default_text(info), note + (info.description or "")
-        for member in members:
-            tag = next(t for t in get_args(member) if isinstance(t, Tag)).tag
-            yield from schema_fields(_unwrap(member)[0], f"{path}.", f"({tag.split(':')[1]} source) ")
-        if nested is not None:
-            yield from schema_fields(nested, f"{path}.")
-
-
-def _default_text(info: FieldInfo) -> str:
-    if info.is_required():
-        return "required"
-    if info.default_factory is not None:
-        value = info.default_factory()  # type: ignore[call-arg]
-        return value.name if isinstance(value, TaskConfig) else "{}"
-    return yaml.safe_dump([info.default], default_flow_style=True, width=1000).strip()[1:-1]
-
-
-def reference_markdown() -> str:
-    """The option reference table of docs/recipes.md, generated from the schema's descriptions."""
-    lines = ["| field | expected | default | meaning |", "| --- | --- | --- | --- |"]
-    for path, expected, default, description in schema_fields():
-        cells = (f"`{path}`", expected, f"`{default}`" if default != "required" else "required", description)
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(lines) + "\n"
 
 
 def stage_options(cls: type, recipe: Recipe, stage: str) -> Any:
