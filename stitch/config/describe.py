@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from annotated_types import Ge, Gt, Le, Lt
+from annotated_types import Ge, Gt, Le, Lt, MinLen
 from pydantic import BeforeValidator, Tag, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError, PydanticUndefined
@@ -146,7 +146,7 @@ def _type_text(annotation: Any, metadata: list[Any]) -> str:
     if base in (int, float):
         return _numeric(base, metadata)
     if base is str:
-        return "text"
+        return "non-empty text" if any(isinstance(m, MinLen) and m.min_length > 0 for m in metadata) else "text"
     if base is Path:
         return "a path"
     if origin in (tuple, list) or base in (tuple, list):

@@ -37,10 +37,10 @@ from pydantic.dataclasses import dataclass
 from stitch.config.describe import CHOICE_ERROR, field_error, format_validation_error, short_repr
 from stitch.config.options import STAGE_OPTIONS, Int, PositiveInt, PositiveNumber, StageOptions, Strict, Text
 
-FEATURE_DTYPES = ("float16", "bfloat16", "float32")
-SOURCE_FORMATS = ("parquet", "json", "imagefolder")
-BUILTIN_DATASETS = ("counting-shapes",)
-ON_CORRUPT = ("error", "skip")
+FeatureDtype = Literal["float16", "bfloat16", "float32"]
+SourceFormat = Literal["parquet", "json", "imagefolder"]
+BuiltinDataset = Literal["counting-shapes"]
+OnCorrupt = Literal["error", "skip"]
 DEFAULT_TASK = "exact-match"  # a recipe that names no task is graded by normalised exact match of the answer
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -59,7 +59,7 @@ class RecipeError(ValueError):
 class BuiltinSource:
     """A dataset stitch generates itself (the demo), written to disk and read like user data."""
 
-    builtin: Literal["counting-shapes"] = Field(description="a dataset stitch generates (the counting demo)")
+    builtin: BuiltinDataset = Field(description="a dataset stitch generates (the counting demo)")
     rows: PositiveInt = Field(description="rows generated")
     caption_rows: Annotated[Int, Ge(0)] = Field(0, description="leading rows that ask for a caption, not a count")
     seed: Int = Field(0, description="generator seed")
@@ -79,7 +79,7 @@ class LocalSource:
     """A local file or directory read through a ``datasets`` packaged builder."""
 
     path: Path = Field(description="a file or directory; relative paths resolve against the recipe file's folder")
-    format: Literal["parquet", "json", "imagefolder"] = Field(description="the `datasets` builder that reads it")
+    format: SourceFormat = Field(description="the `datasets` builder that reads it")
     split: Text = Field("train", description="split name")
 
     @field_validator("path", mode="after")
@@ -244,9 +244,9 @@ class DataConfig:
     ] = Field(description="name -> [start, end) valid-row ordinals; non-overlapping")
     scan_cap: PositiveInt = Field(description="rows scanned at most (valid or not); at least the last partition end")
     budgets: Budgets = Field(description="memory bounds of preparation")
-    on_corrupt: Literal["error", "skip"] = Field("error", description="a corrupt row stops preparation, or is "
+    on_corrupt: OnCorrupt = Field("error", description="a corrupt row stops preparation, or is "
                                                                        "skipped and reported")
-    feature_dtype: Literal["float16", "bfloat16", "float32"] = Field("float32", description="feature cache dtype")
+    feature_dtype: FeatureDtype = Field("float32", description="feature cache dtype")
     encode_batch_size: PositiveInt = Field(32, description="items per encoder call")
     shard_rows: PositiveInt = Field(256, description="rows per feature-cache shard")
 
@@ -286,6 +286,7 @@ class DataConfig:
 
 
 def _task_from_name(value: Any) -> Any:
+    """`task: counting` is short for `task: {name: counting}`."""
     return {"name": value} if isinstance(value, str) else value
 
 
@@ -428,7 +429,7 @@ class Recipe:
     def stage_options(self, name: str) -> StageOptions:
         """The typed options of a stage this recipe declares; RecipeError naming the stage otherwise."""
         if name not in self.stages:
-            raise RecipeError(f"{self._where()}: no stage {name!r} under 'stages'; it declares "
+            raise RecipeError(f"{self.where()}: no stage {name!r} under 'stages'; it declares "
                               f"{', '.join(self.stages) or 'none'}")
         return self.stages[name]
 
@@ -460,7 +461,8 @@ class Recipe:
         """sha256 of ``resolved_yaml()``: equal for recipes that resolve alike, whatever their YAML spelling."""
         return hashlib.sha256(self.resolved_yaml().encode()).hexdigest()
 
-    def _where(self) -> str:
+    def where(self) -> str:
+        """How errors name this recipe: its file, or its name when it was parsed from a mapping."""
         return f"recipe {str(self.path) if self.path else self.name!r}"
 
 
@@ -591,7 +593,7 @@ def stage_options(cls: type, recipe: Recipe, stage: str) -> Any:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise RecipeError(
-            f"{recipe._where()}: unknown field 'stages.{stage}.{unknown[0]}'; expected one of {', '.join(known)}"
+            f"{recipe.where()}: unknown field 'stages.{stage}.{unknown[0]}'; expected one of {', '.join(known)}"
         )
     return cls(**raw)
 

@@ -42,7 +42,7 @@ DATA_PARALLEL_BATCH = {"alignment": ("batch_size", "packs"), "sft": ("batch_size
 
 
 def _fail(recipe: Recipe, message: str) -> None:
-    raise RecipeError(f"{recipe._where()}: {message}")
+    raise RecipeError(f"{recipe.where()}: {message}")
 
 
 def _divides(recipe: Recipe, what: str, size: int, into: str, total: int) -> None:
