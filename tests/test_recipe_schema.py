@@ -273,3 +273,17 @@ def test_docs_recipes_lists_every_recipe_field():
 
 def test_docs_recipes_reference_table_is_the_one_the_schema_generates():
     assert reference_markdown(RecipeFile) in DOC.read_text(), "regenerate it: stitch recipe schema --markdown"
+
+
+def test_config_package_imports_no_stage_serve_or_cli_module_even_inside_functions():
+    import ast
+
+    config = Path(__file__).resolve().parents[1] / "stitch" / "config"
+    upward = []
+    for source in sorted(config.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            upward += [f"{source.name}: {n}" for n in names if n.split(".")[:2] in (
+                ["stitch", "stages"], ["stitch", "serve"], ["stitch", "cli"])]
+    assert not upward
