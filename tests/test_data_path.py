@@ -34,7 +34,7 @@ BASE = {
         "scan_cap": 128,
         "budgets": {"transient_mib": 512, "retained_mib": 64},
     },
-    "stages": {"sft": {"steps": 3}},
+    "stages": {"sft": {"steps": 3, "partition": "sft", "eval_partition": None}},
 }
 
 
@@ -61,7 +61,7 @@ def test_recipe_parses_into_frozen_dataclasses_with_defaults():
     recipe = parse_recipe(BASE)
     assert recipe.projector == "mlp2x_gelu" and recipe.data.on_corrupt == "error"
     assert [(p.name, p.start, p.end) for p in recipe.data.partitions] == [("sft", 0, 80), ("grpo", 80, 100)]
-    assert recipe.data.rows_needed == 100 and recipe.stage("sft") == {"steps": 3}
+    assert recipe.data.rows_needed == 100 and recipe.stage("sft") == BASE["stages"]["sft"]
     with pytest.raises(AttributeError):
         recipe.name = "other"  # type: ignore[misc]
 
@@ -133,8 +133,8 @@ def test_shipped_demo_recipe_names_registered_specs_and_its_stages_use_its_parti
     partitions = {p.name for p in demo.data.partitions}
     for stage, options in demo.stages.items():
         for key in ("partition", "eval_partition"):
-            if options.get(key) is not None:
-                assert options[key] in partitions, (stage, key)
+            if getattr(options, key) is not None:
+                assert getattr(options, key) in partitions, (stage, key)
     # the demo's features fit its retained budget: 49 x 768 fp16 per row
     assert sum(p.rows for p in demo.data.partitions) * 49 * 768 * 2 < demo.data.budgets.retained_bytes
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stitch.cli import registry, scaffold, serve, stages  # noqa: F401  (each registers its commands)
+from stitch.cli import recipe, registry, scaffold, serve, stages  # noqa: F401  (each registers its commands)
 from stitch.cli.app import app, err_console
 
 

@@ -7,23 +7,48 @@ declare it, so a recipe that sets it is refused at load, naming the field.
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-)
+from annotated_types import Ge, Gt, Lt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import Strict as StrictValue
+
+from stitch.config.describe import field_error
+
+# -- value types shared by the whole recipe schema --------------------------------------------------------
+# Integers and booleans are strict: YAML already types them, and a `yes` or `2.5` where a count belongs is a
+# mistake, not something to round. Numbers also accept the text PyYAML leaves for `1e-4` (no dot: a str).
+
+
+def _number_text(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return number if math.isfinite(number) else value
+    return value
+
+
+Int = Annotated[int, StrictValue()]
+PositiveInt = Annotated[int, StrictValue(), Gt(0)]
+NonNegativeInt = Annotated[int, StrictValue(), Ge(0)]
+# the text-to-number step goes last so that the bounds stay JSON-schema keywords (exclusiveMinimum, ...)
+Number = Annotated[float, StrictValue(), BeforeValidator(_number_text)]
+PositiveNumber = Annotated[float, StrictValue(), Gt(0), BeforeValidator(_number_text)]
+NonNegativeNumber = Annotated[float, StrictValue(), Ge(0), BeforeValidator(_number_text)]
+Probability = Annotated[float, StrictValue(), Ge(0), Lt(1), BeforeValidator(_number_text)]
+Flag = Annotated[bool, StrictValue()]
+Text = Annotated[str, StrictValue()]
+
+STRICT_CONFIG = ConfigDict(extra="forbid", frozen=True)
 
 
 class Strict(BaseModel):
     """A recipe mapping: unknown keys are errors, instances are immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT_CONFIG
 
 
 class LoraOptions(Strict):
@@ -31,22 +56,22 @@ class LoraOptions(Strict):
 
     r: PositiveInt = Field(16, description="LoRA rank")
     alpha: PositiveInt = Field(32, description="LoRA alpha (scale = alpha / r)")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
+    dropout: Probability = Field(0.0, description="LoRA dropout probability")
 
 
 class StageOptions(Strict):
     """Options every stage honours: length, seed, optimisation, schedule, checkpoint and evaluation cadence."""
 
     steps: PositiveInt = Field(100, description="optimizer steps")
-    seed: int = Field(0, description="seeds torch and the data order")
-    grad_clip: PositiveFloat | None = Field(1.0, description="max global grad norm; null: no clipping")
+    seed: Int = Field(0, description="seeds torch and the data order")
+    grad_clip: PositiveNumber | None = Field(1.0, description="max global grad norm; null: no clipping")
     schedule: Literal["cosine", "constant"] = Field("cosine", description="LR schedule after warmup")
     warmup_steps: NonNegativeInt = Field(0, description="linear LR warmup steps")
-    weight_decay: NonNegativeFloat = Field(0.0, description="AdamW weight decay")
+    weight_decay: NonNegativeNumber = Field(0.0, description="AdamW weight decay")
     save_every: PositiveInt = Field(50, description="checkpoint every N steps (and at the last step)")
     keep_checkpoints: PositiveInt = Field(2, description="step directories kept under checkpoints/")
-    partition: str = Field("train", description="data partition the stage trains on")
-    eval_partition: str | None = Field("eval", description="partition graded at the end; null: no evaluation")
+    partition: Text = Field("train", description="data partition the stage trains on (a name under data.partitions)")
+    eval_partition: Text | None = Field("eval", description="partition graded at the end; null: no evaluation")
     eval_rows: PositiveInt = Field(64, description="rows of eval_partition graded")
     eval_every: NonNegativeInt = Field(0, description="also evaluate every N steps (0: only at the end)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights' dtype while training")
@@ -56,41 +81,54 @@ class AlignmentOptions(StageOptions):
     """Projector only; the LM is frozen."""
 
     batch_size: PositiveInt = Field(8, description="packs (rows) per optimizer step")
-    token_budget: PositiveInt = Field(512, description="tokens per pack")
+    token_budget: PositiveInt = Field(
+        512, description="tokens per pack; at least the encoder's tokens per item + 2 sentinels"
+    )
     buffer_size: PositiveInt = Field(64, description="shuffle buffer (samples)")
-    packing: bool = Field(True, description="pack samples into token_budget rows (the model plugin may refuse)")
-    lr_projector: PositiveFloat = Field(1e-3, description="projector learning rate")
+    packing: Flag = Field(True, description="pack samples into token_budget rows (the model plugin may refuse)")
+    lr_projector: PositiveNumber = Field(1e-3, description="projector learning rate")
 
 
 class SFTOptions(AlignmentOptions):
     """Warm-started projector + a LoRA adapter on the model plugin's target set."""
 
-    lr_adapter: PositiveFloat = Field(3e-3, description="adapter learning rate")
+    lr_adapter: PositiveNumber = Field(3e-3, description="adapter learning rate")
     lora: LoraOptions = Field(default_factory=LoraOptions, description="the adapter SFT creates")
-    train_projector: bool = Field(True, description="keep training the projector (false: adapter only)")
+    train_projector: Flag = Field(True, description="keep training the projector (false: adapter only)")
 
 
 class GRPOOptions(StageOptions):
     """RL from SFT's adapter and projector with rollouts from an engine and the recipe task's reward."""
 
     steps: PositiveInt = Field(20, description="optimizer steps")
-    schedule: Literal["cosine", "constant"] = Field("constant", description="LR schedule after warmup")
+    schedule: Literal["cosine", "constant"] = Field(
+        "constant", description="LR schedule after warmup (constant when train_projector is true)"
+    )
     save_every: PositiveInt = Field(10, description="checkpoint every N steps (and at the last step)")
-    partition: str = Field("grpo", description="data partition whose prompts are rolled out")
+    partition: Text = Field("grpo", description="data partition whose prompts are rolled out")
     prompts_per_step: PositiveInt = Field(8, description="prompts drawn per step")
-    group_size: int = Field(4, ge=2, description="completions per prompt (advantages are normalised per group)")
+    group_size: Annotated[Int, Ge(2)] = Field(
+        4, description="completions per prompt (advantages are normalised per group)"
+    )
     max_new_tokens: PositiveInt = Field(10, description="completion length cap")
-    temperature: PositiveFloat = Field(1.0, description="sampling temperature")
-    lr_adapter: PositiveFloat = Field(1e-4, description="adapter learning rate")
-    lr_projector: PositiveFloat = Field(1e-5, description="projector learning rate (train_projector only)")
-    clip_eps: PositiveFloat = Field(0.2, description="PPO ratio clip")
-    kl_beta: NonNegativeFloat = Field(0.04, description="weight of the k3 KL to the SFT reference")
+    temperature: PositiveNumber = Field(1.0, description="sampling temperature")
+    lr_adapter: PositiveNumber = Field(1e-4, description="adapter learning rate")
+    lr_projector: PositiveNumber = Field(1e-5, description="projector learning rate (train_projector only)")
+    clip_eps: PositiveNumber = Field(0.2, description="PPO ratio clip")
+    kl_beta: NonNegativeNumber = Field(0.04, description="weight of the k3 KL to the SFT reference")
     updates_per_batch: PositiveInt = Field(1, description="optimizer steps per rollout batch")
     micro_batch_size: PositiveInt | None = Field(None, description="sequences per forward/backward; null: all")
-    train_projector: bool = Field(False, description="also train the projector (constant LR only)")
-    engine: str = Field("embedded", description="a registered rollout engine")
+    train_projector: Flag = Field(False, description="also train the projector (constant LR only)")
+    engine: Text = Field("embedded", description="a registered rollout engine")
     placement: Literal["colocated", "ray"] = Field("colocated", description="ray: rollout replicas as Ray actors")
     lora: LoraOptions | None = Field(None, description="restates SFT's adapter (r, alpha must match)")
+
+    @model_validator(mode="after")
+    def _projector_needs_constant_lr(self) -> GRPOOptions:
+        # a warm-started projector group must not be rescaled by a schedule
+        if self.train_projector and self.schedule != "constant":
+            raise field_error("schedule", "constant (the trainable-projector variant keeps its LR)", self.schedule)
+        return self
 
 
 class DPOOptions(StageOptions):
@@ -100,8 +138,8 @@ class DPOOptions(StageOptions):
     schedule: Literal["cosine", "constant"] = Field("constant", description="LR schedule after warmup")
     save_every: PositiveInt = Field(10, description="checkpoint every N steps (and at the last step)")
     pairs_per_step: PositiveInt = Field(8, description="pairs per step")
-    beta: PositiveFloat = Field(0.1, description="DPO temperature")
-    lr_adapter: PositiveFloat = Field(5e-4, description="adapter learning rate")
+    beta: PositiveNumber = Field(0.1, description="DPO temperature")
+    lr_adapter: PositiveNumber = Field(5e-4, description="adapter learning rate")
     probe_pairs: PositiveInt = Field(32, description="fixed pairs scored before and after training")
     lora: LoraOptions | None = Field(None, description="restates SFT's adapter (r, alpha must match)")
 

@@ -1,83 +1,170 @@
-"""Recipes: one YAML file per run, parsed into frozen dataclasses; every error names the field at fault.
+"""Recipes: one YAML file per run, validated by one pydantic schema (``RecipeFile``) into a frozen ``Recipe``.
 
-``stages`` stays a free mapping per stage: the training code validates its own stage options.
+``key=value`` overrides apply to the YAML mapping before validation; every refusal is one ``RecipeError`` naming
+the file, the dotted field path, what was expected and what was found. The digest hashes the resolved recipe.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass as plain_dataclass
+from dataclasses import field as plain_field
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Union
 
 import yaml
+from annotated_types import Ge
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
 
-FEATURE_DTYPES = ("float16", "bfloat16", "float32")
-SOURCE_FORMATS = ("parquet", "json", "imagefolder")
-BUILTIN_DATASETS = ("counting-shapes",)
-ON_CORRUPT = ("error", "skip")
+from stitch.config.describe import CHOICE_ERROR, field_error, format_validation_error, short_repr
+from stitch.config.options import STAGE_OPTIONS, Int, PositiveInt, PositiveNumber, StageOptions, Strict, Text
+
+FeatureDtype = Literal["float16", "bfloat16", "float32"]
+SourceFormat = Literal["parquet", "json", "imagefolder"]
+BuiltinDataset = Literal["counting-shapes"]
+OnCorrupt = Literal["error", "skip"]
+DEFAULT_TASK = "exact-match"  # a recipe that names no task is graded by normalised exact match of the answer
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_CALLABLE = re.compile(r"^.+:[A-Za-z_][A-Za-z0-9_]*$")
+_DATACLASS_CONFIG = ConfigDict(extra="forbid")
 
 
 class RecipeError(ValueError):
     """A recipe is malformed; the message names the file, the field, what was expected and what was found."""
 
 
-@dataclass(frozen=True)
+# -- data sources -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
 class BuiltinSource:
     """A dataset stitch generates itself (the demo), written to disk and read like user data."""
 
-    builtin: str
-    rows: int
-    caption_rows: int = 0
-    seed: int = 0
+    builtin: BuiltinDataset = Field(description="a dataset stitch generates (the counting demo)")
+    rows: PositiveInt = Field(description="rows generated")
+    caption_rows: Annotated[Int, Ge(0)] = Field(0, description="leading rows that ask for a caption, not a count")
+    seed: Int = Field(0, description="generator seed")
+
+    @model_validator(mode="after")
+    def _captions_fit(self) -> BuiltinSource:
+        if self.caption_rows > self.rows:
+            raise field_error("caption_rows", f"an integer in [0, rows={self.rows}]", self.caption_rows)
+        return self
 
     def describe(self) -> str:
         return f"builtin:{self.builtin}(rows={self.rows},caption_rows={self.caption_rows},seed={self.seed})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
 class LocalSource:
     """A local file or directory read through a ``datasets`` packaged builder."""
 
-    path: Path  # absolute: relative paths are resolved against the recipe file's directory
-    format: str
-    split: str = "train"
+    path: Path = Field(description="a file or directory; relative paths resolve against the recipe file's folder")
+    format: SourceFormat = Field(description="the `datasets` builder that reads it")
+    split: Text = Field("train", description="split name")
+
+    @field_validator("path", mode="after")
+    @classmethod
+    def _absolute(cls, value: Path, info: ValidationInfo) -> Path:
+        if not value.is_absolute():
+            base = (info.context or {}).get("base_dir") or Path.cwd()
+            value = Path(base) / value
+        return value.resolve()
 
     def describe(self) -> str:
         return f"{self.format}:{self.path}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
 class HubSource:
     """A hub dataset pinned to a commit."""
 
-    hub: str
-    revision: str
-    config: str | None = None
-    split: str = "train"
+    hub: Text = Field(description="a hub dataset id such as 'org/name'")
+    revision: Text = Field(description="a pinned 40-hex commit sha (branches and tags move)")
+    config: Text | None = Field(None, description="dataset configuration name")
+    split: Text = Field("train", description="split name")
+
+    @model_validator(mode="after")
+    def _pinned(self) -> HubSource:
+        if "/" not in self.hub:
+            raise field_error("hub", "a hub dataset id such as 'org/name'", self.hub)
+        if not _SHA.match(self.revision):
+            raise field_error("revision", "a pinned 40-hex commit sha (branches and tags move)", self.revision)
+        return self
 
     def describe(self) -> str:
         config = f"/{self.config}" if self.config else ""
         return f"hub:{self.hub}{config}@{self.revision}[{self.split}]"
 
 
-DataSource = BuiltinSource | LocalSource | HubSource
+_SOURCE_KINDS: dict[str, type] = {"builtin": BuiltinSource, "path": LocalSource, "hub": HubSource}
 
 
-@dataclass(frozen=True)
+def _source_kind(value: Any) -> str | None:
+    """The union tag of a data source: its class, or the one kind key its mapping holds."""
+    for key, cls in _SOURCE_KINDS.items():
+        if isinstance(value, cls):
+            return f"{key} source"
+    if isinstance(value, Mapping):
+        keys = [k for k in _SOURCE_KINDS if k in value]
+        return f"{keys[0]} source" if len(keys) == 1 else None
+    return None
+
+
+DataSource = Annotated[
+    Union[  # noqa: UP007  (a tagged union needs the Union spelling)
+        Annotated[BuiltinSource, Tag("builtin source")],
+        Annotated[LocalSource, Tag("path source")],
+        Annotated[HubSource, Tag("hub source")],
+    ],
+    Discriminator(_source_kind, custom_error_type=CHOICE_ERROR,
+                  custom_error_message="exactly one of 'builtin', 'path' or 'hub'"),
+]
+
+
+# -- data -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
 class ColumnMapping:
     """Which dataset columns hold the media, the text (question + answer, or chat messages) and the row id."""
 
-    media: str
-    question: str | None = None
-    answer: str | None = None
-    messages: str | None = None
-    id: str | None = None  # without it, a row's id is its stream position: "row<N>"
+    media: Text = Field(description="column holding the media item (image bytes, path...)")
+    question: Text | None = Field(None, description="column holding the prompt text (with answer)")
+    answer: Text | None = Field(None, description="column holding the reference answer (with question)")
+    messages: Text | None = Field(None, description="column of chat messages, instead of question + answer")
+    id: Text | None = Field(None, description="column holding a stable row id; null: the stream position")
+    rejected: Text | None = Field(None, description="column holding a rejected answer (DPO pairs from the data)")
+
+    @model_validator(mode="after")
+    def _text_columns(self) -> ColumnMapping:
+        has_qa = self.question is not None or self.answer is not None
+        if self.messages is not None and has_qa:
+            raise field_error("messages", "either 'messages' or 'question' + 'answer', not both", self.messages)
+        if self.messages is None and (self.question is None or self.answer is None):
+            missing = "question" if self.question is None else "answer"
+            raise field_error(missing, "a column name (or map 'messages' to a chat-messages column instead of "
+                                       "question + answer)")
+        return self
 
     @property
     def text_columns(self) -> tuple[str, ...]:
@@ -86,13 +173,13 @@ class ColumnMapping:
         return (self.question, self.answer)  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
 class Partition:
     """Valid-row ordinals ``[start, end)`` that make up one named slice of the prepared data."""
 
-    name: str
-    start: int
-    end: int
+    name: Text
+    start: Annotated[Int, Ge(0)]
+    end: PositiveInt
 
     def __contains__(self, ordinal: int) -> bool:
         return self.start <= ordinal < self.end
@@ -102,10 +189,39 @@ class Partition:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
+def _partitions(value: Any) -> tuple[Partition, ...]:
+    """``{name: [start, end]}`` (or Partitions already built) -> partitions sorted by start, never overlapping."""
+    if isinstance(value, Mapping):
+        parts = []
+        for name, bounds in value.items():
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise field_error(str(name), "a partition name (letters, digits, _ . -)", name)
+            ok = (isinstance(bounds, list | tuple) and len(bounds) == 2
+                  and all(isinstance(v, int) and not isinstance(v, bool) for v in bounds)
+                  and 0 <= bounds[0] < bounds[1])
+            if not ok:
+                raise field_error(name, "[start, end) valid-row ordinals with 0 <= start < end", bounds)
+            parts.append(Partition(name, bounds[0], bounds[1]))
+    elif isinstance(value, Sequence) and not isinstance(value, str) and all(isinstance(p, Partition) for p in value):
+        parts = list(value)
+    else:
+        raise field_error("", "a mapping of partition name to [start, end), e.g. {sft: [0, 320]}", value)
+    if not parts:
+        raise field_error("", "at least one partition, e.g. {sft: [0, 320]}", dict(value) if value else value)
+    parts.sort(key=lambda p: p.start)
+    for before, after in zip(parts, parts[1:], strict=False):
+        if after.start < before.end:
+            raise field_error("", "partitions that do not overlap (a valid row belongs to at most one)",
+                              {before.name: [before.start, before.end], after.name: [after.start, after.end]})
+    return tuple(parts)
+
+
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
 class Budgets:
-    transient_mib: float
-    retained_mib: float
+    """Memory bounds of preparation: what may be in flight, and what the feature cache may keep."""
+
+    transient_mib: PositiveNumber = Field(description="peak in-flight bytes while preparing (MiB)")
+    retained_mib: PositiveNumber = Field(description="feature cache + manifest size bound (MiB)")
 
     @property
     def transient_bytes(self) -> int:
@@ -116,17 +232,37 @@ class Budgets:
         return int(self.retained_mib * 2**20)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
 class DataConfig:
-    source: DataSource
-    columns: ColumnMapping
-    partitions: tuple[Partition, ...]
-    scan_cap: int
-    budgets: Budgets
-    on_corrupt: str = "error"
-    feature_dtype: str = "float32"
-    encode_batch_size: int = 32
-    shard_rows: int = 256
+    """Where rows come from, which columns matter, how they split into partitions, and preparation's bounds."""
+
+    source: DataSource = Field(description="exactly one of builtin / path / hub")
+    columns: ColumnMapping = Field(description="dataset column names")
+    partitions: Annotated[
+        tuple[Partition, ...],
+        BeforeValidator(_partitions, json_schema_input_type=dict[str, tuple[int, int]]),
+    ] = Field(description="name -> [start, end) valid-row ordinals; non-overlapping")
+    scan_cap: PositiveInt = Field(description="rows scanned at most (valid or not); at least the last partition end")
+    budgets: Budgets = Field(description="memory bounds of preparation")
+    on_corrupt: OnCorrupt = Field("error", description="a corrupt row stops preparation, or is "
+                                                                       "skipped and reported")
+    feature_dtype: FeatureDtype = Field("float32", description="feature cache dtype")
+    encode_batch_size: PositiveInt = Field(32, description="items per encoder call")
+    shard_rows: PositiveInt = Field(256, description="rows per feature-cache shard")
+
+    @field_serializer("partitions")
+    def _partitions_as_mapping(self, parts: tuple[Partition, ...]) -> dict[str, list[int]]:
+        return {p.name: [p.start, p.end] for p in parts}
+
+    @model_validator(mode="after")
+    def _enough_rows(self) -> DataConfig:
+        need = self.rows_needed
+        if self.scan_cap < need:
+            raise field_error("scan_cap", f"at least {need} (partitions end at valid row {need})", self.scan_cap)
+        if isinstance(self.source, BuiltinSource) and self.source.rows < need:
+            raise field_error("source.rows", f"at least {need} (partitions end at valid row {need})",
+                              self.source.rows)
+        return self
 
     @property
     def rows_needed(self) -> int:
@@ -146,7 +282,48 @@ class DataConfig:
         raise KeyError(f"no partition {name!r}; the recipe has {', '.join(p.name for p in self.partitions)}")
 
 
-@dataclass(frozen=True)
+# -- task and parallel layout ------------------------------------------------------------------------------
+
+
+def _task_from_name(value: Any) -> Any:
+    """`task: counting` is short for `task: {name: counting}`."""
+    return {"name": value} if isinstance(value, str) else value
+
+
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
+class TaskConfig:
+    """What the recipe is trained and judged on: a registered task, or a reward (and grader) as module:function."""
+
+    name: Text | None = Field(None, description="a registered task (see `stitch registry tasks`)")
+    reward: Text | None = Field(None, description="GRPO reward as 'module:function' (instead of name)")
+    grade: Text | None = Field(None, description="evaluation grader as 'module:function' (with reward; default: "
+                                                 "the reward)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TaskConfig:
+        if (self.name is None) == (self.reward is None):
+            raise field_error("", "exactly one of 'name' or 'reward'", {"name": self.name, "reward": self.reward})
+        if self.name is not None and self.grade is not None:
+            raise field_error("grade", "no grader beside a named task (the task brings its own)", self.grade)
+        for key in ("reward", "grade"):
+            value = getattr(self, key)
+            if value is not None and not _CALLABLE.match(value):
+                raise field_error(key, "'module:function'", value)
+        return self
+
+
+TaskField = Annotated[TaskConfig, BeforeValidator(_task_from_name, json_schema_input_type=str | TaskConfig)]
+
+
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
+class GpuRoles:
+    """GPUs per GRPO role."""
+
+    policy: PositiveInt = Field(1, description="GPUs of the trained policy")
+    rollout: PositiveInt = Field(1, description="GPUs of each rollout replica")
+
+
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
 class ParallelConfig:
     """How a recipe expects to be launched; ``stitch.config.validate`` checks the arithmetic before anything runs.
 
@@ -154,279 +331,188 @@ class ParallelConfig:
     ``world_size / tensor_parallel``. ``gpus`` + ``rollout_replicas`` place GRPO's roles.
     """
 
-    world_size: int | None = None
-    data_parallel: int | None = None
-    tensor_parallel: int = 1
-    expert_parallel: int = 1
-    policy_gpus: int = 1
-    rollout_gpus: int = 1
-    rollout_replicas: int = 1
-    roles_given: bool = False  # whether the recipe placed GRPO's roles (``gpus`` / ``rollout_replicas``)
+    world_size: PositiveInt | None = Field(None, description="processes in the launch; null: torchrun decides")
+    data_parallel: PositiveInt | None = Field(None, description="data-parallel ranks; null: world_size / "
+                                                                "tensor_parallel")
+    tensor_parallel: PositiveInt = Field(1, description="tensor-parallel size (> 1 not implemented: refused)")
+    expert_parallel: PositiveInt = Field(1, description="expert-parallel size (> 1 not implemented: refused)")
+    gpus: GpuRoles | None = Field(None, description="GPUs per GRPO role; null: roles not placed")
+    rollout_replicas: PositiveInt = Field(1, description="GRPO rollout engine replicas")
+
+    @property
+    def policy_gpus(self) -> int:
+        return self.gpus.policy if self.gpus else 1
+
+    @property
+    def rollout_gpus(self) -> int:
+        return self.gpus.rollout if self.gpus else 1
+
+    @property
+    def roles_given(self) -> bool:
+        """Whether the recipe places GRPO's roles (GPUs per role, or more than one rollout replica)."""
+        return self.gpus is not None or self.rollout_replicas > 1
 
 
-@dataclass(frozen=True)
+# -- the whole file ------------------------------------------------------------------------------------------
+
+StagesConfig = create_model(
+    "StagesConfig",
+    __base__=Strict,
+    __doc__="The stages this recipe declares, each with its typed options (an absent stage is not run).",
+    **{name: (cls | None, Field(None, description=(cls.__doc__ or "").strip()))  # type: ignore[misc]
+       for name, cls in STAGE_OPTIONS.items()},
+)
+
+
+class RecipeFile(Strict):
+    """The schema of a recipe YAML file."""
+
+    name: Annotated[Text, Field(min_length=1)] = Field(description="recipe name (default run directory runs/<name>)")
+    model: Annotated[Text, Field(min_length=1)] = Field(description="a registered model (see `stitch models`)")
+    encoder: Annotated[Text, Field(min_length=1)] = Field(description="a registered encoder (see `stitch encoders`)")
+    projector: Text = Field("mlp2x_gelu", description="a registered projector (see `stitch registry projectors`)")
+    task: TaskField = Field(
+        default_factory=lambda: TaskConfig(name=DEFAULT_TASK),
+        description=f"a registered task name, {{name: ...}}, or {{reward: 'module:function', grade: ...}}; "
+                    f"default {DEFAULT_TASK}",
+    )
+    data: DataConfig = Field(description="the dataset and its preparation")
+    parallel: ParallelConfig | None = Field(None, description="launch layout; null: one process")
+    stages: StagesConfig = Field(default_factory=StagesConfig, description="stage name -> options")  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _stages_fit_together(self) -> RecipeFile:
+        stages = declared_stages(self.stages)
+        partitions = [p.name for p in self.data.partitions]
+        for stage, opts in stages.items():
+            for key in ("partition", "eval_partition"):
+                value = getattr(opts, key, None)
+                if value is not None and value not in partitions:
+                    raise field_error(f"stages.{stage}.{key}",
+                                      f"one of the data partitions {', '.join(partitions)}", value)
+        for stage in ("grpo", "dpo"):
+            if stage in stages and "sft" not in stages:
+                raise field_error(f"stages.{stage}", f"a recipe that also declares 'sft' ({stage} warm-starts from "
+                                                     f"SFT's adapter and projector)", sorted(stages))
+            lora = getattr(stages.get(stage), "lora", None)
+            if lora is not None and "sft" in stages:
+                for key in ("r", "alpha"):
+                    want, got = getattr(stages["sft"].lora, key), getattr(lora, key)
+                    if want != got:
+                        raise field_error(f"stages.{stage}.lora.{key}",
+                                          f"{want} (the warm start restates SFT's adapter)", got)
+        return self
+
+
+def declared_stages(stages: BaseModel) -> dict[str, StageOptions]:
+    """The stages a validated ``stages`` section declares, in ``STAGE_OPTIONS`` order."""
+    return {name: getattr(stages, name) for name in STAGE_OPTIONS if getattr(stages, name) is not None}
+
+
+# -- the resolved recipe -------------------------------------------------------------------------------------
+
+
+@plain_dataclass(frozen=True)
 class Recipe:
+    """A validated recipe: its parts, the stages it declares (name -> typed options) and where it came from."""
+
     name: str
     model: str
     encoder: str
     projector: str
     data: DataConfig
-    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stages: dict[str, StageOptions] = plain_field(default_factory=dict)
     path: Path | None = None
-    digest: str = ""  # sha256 of the YAML text, for provenance
     parallel: ParallelConfig | None = None
+    task: TaskConfig = plain_field(default_factory=lambda: TaskConfig(name=DEFAULT_TASK))
+
+    def stage_options(self, name: str) -> StageOptions:
+        """The typed options of a stage this recipe declares; RecipeError naming the stage otherwise."""
+        if name not in self.stages:
+            raise RecipeError(f"{self.where()}: no stage {name!r} under 'stages'; it declares "
+                              f"{', '.join(self.stages) or 'none'}")
+        return self.stages[name]
 
     def stage(self, name: str) -> dict[str, Any]:
-        if name not in self.stages:
-            raise RecipeError(f"{self._where()}: no stage {name!r} under 'stages'; it has {sorted(self.stages)}")
-        return copy.deepcopy(self.stages[name])
+        """The options the recipe sets for a stage, as a plain mapping (the ones left at their default omitted)."""
+        return self.stage_options(name).model_dump(exclude_unset=True)
 
-    def _where(self) -> str:
+    def resolved(self) -> dict[str, Any]:
+        """Every field of the recipe after overrides and defaults, as plain YAML-able data."""
+        return {
+            "name": self.name,
+            "model": self.model,
+            "encoder": self.encoder,
+            "projector": self.projector,
+            "task": self.task.name if self.task.reward is None else _adapter(TaskConfig).dump_python(
+                self.task, mode="json", exclude_none=True),
+            "data": _adapter(DataConfig).dump_python(self.data, mode="json"),
+            "parallel": None if self.parallel is None else _adapter(ParallelConfig).dump_python(self.parallel,
+                                                                                                mode="json"),
+            "stages": {name: opts.model_dump(mode="json") for name, opts in self.stages.items()},
+        }
+
+    def resolved_yaml(self) -> str:
+        """The resolved recipe as canonical YAML (what the digest hashes and a run directory keeps)."""
+        return yaml.dump(self.resolved(), Dumper=_CanonicalDumper, sort_keys=False, width=100, allow_unicode=True)
+
+    @property
+    def digest(self) -> str:
+        """sha256 of ``resolved_yaml()``: equal for recipes that resolve alike, whatever their YAML spelling."""
+        return hashlib.sha256(self.resolved_yaml().encode()).hexdigest()
+
+    def where(self) -> str:
+        """How errors name this recipe: its file, or its name when it was parsed from a mapping."""
         return f"recipe {str(self.path) if self.path else self.name!r}"
 
 
-# -- parsing -------------------------------------------------------------------------------------------
+class _CanonicalDumper(yaml.SafeDumper):
+    """Block mappings; short lists of scalars (partition bounds) in flow style."""
 
 
-class _Fields:
-    """Typed reads of one mapping in the YAML, each error naming the dotted field path."""
-
-    def __init__(self, where: str, prefix: str, mapping: Any) -> None:
-        self.where = where
-        self.prefix = prefix
-        if not isinstance(mapping, Mapping):
-            self.fail("", "a mapping", mapping)
-        self.mapping: Mapping[str, Any] = mapping
-        self.seen: set[str] = set()
-
-    def path(self, key: str) -> str:
-        return f"{self.prefix}.{key}" if self.prefix and key else (self.prefix or key)
-
-    def fail(self, key: str, expected: str, actual: Any) -> None:
-        raise RecipeError(f"{self.where}: field {self.path(key)!r}: expected {expected}, got {actual!r}")
-
-    def get(self, key: str, kind: type | tuple[type, ...], expected: str, default: Any = ...) -> Any:
-        self.seen.add(key)
-        if key not in self.mapping or self.mapping[key] is None:
-            if default is ...:
-                raise RecipeError(f"{self.where}: field {self.path(key)!r} is missing; expected {expected}")
-            return default
-        value = self.mapping[key]
-        # bool is an int in Python; a YAML `yes` is never a row count
-        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-            self.fail(key, expected, value)
-        return value
-
-    def sub(self, key: str, default: Any = ...) -> _Fields:
-        value = self.get(key, Mapping, "a mapping", default)
-        return _Fields(self.where, self.path(key), value)
-
-    def positive_int(self, key: str, default: Any = ...) -> int:
-        value = self.get(key, int, "a positive integer", default)
-        if value is not None and value < 1:
-            self.fail(key, "a positive integer", value)
-        return value
-
-    def choice(self, key: str, options: tuple[str, ...], default: Any = ...) -> str:
-        expected = "one of " + ", ".join(options)
-        value = self.get(key, str, expected, default)
-        if value not in options:
-            self.fail(key, expected, value)
-        return value
-
-    def done(self) -> None:
-        unknown = sorted(set(self.mapping) - self.seen)
-        if unknown:
-            known = ", ".join(sorted(self.seen))
-            raise RecipeError(
-                f"{self.where}: unknown field {self.path(str(unknown[0]))!r}; known fields here: {known}"
-            )
+def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
+    flow = all(isinstance(v, int | float | str | bool) or v is None for v in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
 
 
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
+_CanonicalDumper.add_representer(list, _represent_list)
 
 
-def _parse_source(fields: _Fields, base_dir: Path | None) -> DataSource:
-    keys = [k for k in ("builtin", "path", "hub") if k in fields.mapping]
-    if len(keys) != 1:
-        fields.fail("", "exactly one of 'builtin', 'path' or 'hub'", dict(fields.mapping))
-    kind = keys[0]
-    if kind == "builtin":
-        source: DataSource = BuiltinSource(
-            builtin=fields.choice("builtin", BUILTIN_DATASETS),
-            rows=fields.positive_int("rows"),
-            caption_rows=fields.get("caption_rows", int, "a non-negative integer", 0),
-            seed=fields.get("seed", int, "an integer", 0),
-        )
-        if not 0 <= source.caption_rows <= source.rows:
-            fields.fail("caption_rows", f"an integer in [0, rows={source.rows}]", source.caption_rows)
-    elif kind == "path":
-        raw = Path(fields.get("path", str, "a file or directory path"))
-        if not raw.is_absolute():
-            raw = (base_dir or Path.cwd()) / raw
-        source = LocalSource(
-            path=raw.resolve(),
-            format=fields.choice("format", SOURCE_FORMATS),
-            split=fields.get("split", str, "a split name", "train"),
-        )
-    else:
-        source = HubSource(
-            hub=fields.get("hub", str, "a hub dataset id such as 'org/name'"),
-            revision=fields.get("revision", str, "a pinned 40-hex commit sha"),
-            config=fields.get("config", str, "a configuration name", None),
-            split=fields.get("split", str, "a split name", "train"),
-        )
-        if not _SHA.match(source.revision):
-            fields.fail("revision", "a pinned 40-hex commit sha (branches and tags move)", source.revision)
-        if "/" not in source.hub:
-            fields.fail("hub", "a hub dataset id such as 'org/name'", source.hub)
-    fields.done()
-    return source
+@cache
+def _adapter(cls: type) -> TypeAdapter[Any]:
+    return TypeAdapter(cls)
 
 
-def _parse_columns(fields: _Fields) -> ColumnMapping:
-    text = "a column name"
-    columns = ColumnMapping(
-        media=fields.get("media", str, text),
-        question=fields.get("question", str, text, None),
-        answer=fields.get("answer", str, text, None),
-        messages=fields.get("messages", str, text, None),
-        id=fields.get("id", str, text, None),
-    )
-    fields.done()
-    has_qa = columns.question is not None or columns.answer is not None
-    if columns.messages is not None and has_qa:
-        fields.fail("messages", "either 'messages' or 'question' + 'answer', not both", dict(fields.mapping))
-    if columns.messages is None and (columns.question is None or columns.answer is None):
-        missing = "question" if columns.question is None else "answer"
-        raise RecipeError(
-            f"{fields.where}: field {fields.path(missing)!r} is missing; expected a column name "
-            f"(or map 'messages' to a chat-messages column instead of question + answer)"
-        )
-    return columns
+# -- parsing -------------------------------------------------------------------------------------------------
 
 
-def _parse_partitions(fields: _Fields) -> tuple[Partition, ...]:
-    parts = []
-    for name, value in fields.mapping.items():
-        fields.seen.add(name)
-        if not isinstance(name, str) or not _NAME.match(name):
-            fields.fail(str(name), "a partition name (letters, digits, _ . -)", name)
-        ok = (
-            isinstance(value, list | tuple)
-            and len(value) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-            and 0 <= value[0] < value[1]
-        )
-        if not ok:
-            fields.fail(name, "[start, end) valid-row ordinals with 0 <= start < end", value)
-        parts.append(Partition(name, value[0], value[1]))
-    if not parts:
-        fields.fail("", "at least one partition, e.g. {sft: [0, 320]}", dict(fields.mapping))
-    parts.sort(key=lambda p: p.start)
-    for before, after in zip(parts, parts[1:], strict=False):
-        if after.start < before.end:
-            raise RecipeError(
-                f"{fields.where}: field {fields.prefix!r}: partitions {before.name!r} [{before.start}, "
-                f"{before.end}) and {after.name!r} [{after.start}, {after.end}) overlap; a valid row belongs "
-                f"to at most one partition"
-            )
-    return tuple(parts)
-
-
-def _parse_data(fields: _Fields, base_dir: Path | None) -> DataConfig:
-    source = _parse_source(fields.sub("source"), base_dir)
-    columns = _parse_columns(fields.sub("columns"))
-    partitions = _parse_partitions(fields.sub("partitions"))
-    budget_fields = fields.sub("budgets")
-    budgets = Budgets(
-        transient_mib=budget_fields.get("transient_mib", (int, float), "a size in MiB"),
-        retained_mib=budget_fields.get("retained_mib", (int, float), "a size in MiB"),
-    )
-    for key in ("transient_mib", "retained_mib"):
-        if getattr(budgets, key) <= 0:
-            budget_fields.fail(key, "a positive size in MiB", getattr(budgets, key))
-    budget_fields.done()
-    data = DataConfig(
-        source=source,
-        columns=columns,
-        partitions=partitions,
-        scan_cap=fields.positive_int("scan_cap"),
-        budgets=budgets,
-        on_corrupt=fields.choice("on_corrupt", ON_CORRUPT, "error"),
-        feature_dtype=fields.choice("feature_dtype", FEATURE_DTYPES, "float32"),
-        encode_batch_size=fields.positive_int("encode_batch_size", 32),
-        shard_rows=fields.positive_int("shard_rows", 256),
-    )
-    fields.done()
-    if data.scan_cap < data.rows_needed:
-        fields.fail(
-            "scan_cap",
-            f"at least {data.rows_needed} (partitions end at valid row {data.rows_needed})",
-            data.scan_cap,
-        )
-    if isinstance(source, BuiltinSource) and source.rows < data.rows_needed:
-        raise RecipeError(
-            f"{fields.where}: field 'data.source.rows': expected at least {data.rows_needed} "
-            f"(partitions end at valid row {data.rows_needed}), got {source.rows}"
-        )
-    return data
-
-
-def parse_recipe(mapping: Any, *, path: Path | None = None, text: str = "") -> Recipe:
-    """A Recipe from an already-loaded YAML mapping; ``path`` locates relative data paths and names errors."""
-    where = f"recipe {str(path)!r}" if path else "recipe"
-    top = _Fields(where, "", mapping)
-    name = top.get("name", str, "a recipe name")
-    recipe = Recipe(
-        name=name,
-        model=top.get("model", str, "a registered model name (see `stitch models`)"),
-        encoder=top.get("encoder", str, "a registered encoder name (see `stitch encoders`)"),
-        projector=top.get("projector", str, "a registered projector name", "mlp2x_gelu"),
-        data=_parse_data(top.sub("data"), path.parent if path else None),
-        stages=_parse_stages(top.sub("stages", {})),
+def parse_recipe(mapping: Any, *, path: Path | None = None, overrides: Iterable[str] = ()) -> Recipe:
+    """A Recipe from an already-loaded YAML mapping; ``path`` locates relative data paths and names errors;
+    ``overrides`` (``key=value``) apply to the mapping first."""
+    where = _where(path, mapping)
+    overrides = tuple(overrides)
+    if overrides:
+        mapping = apply_overrides(mapping, overrides, where)
+    try:
+        checked = RecipeFile.model_validate(mapping, context={"base_dir": path.parent if path else None})
+    except ValidationError as exc:
+        raise RecipeError(format_validation_error(exc, RecipeFile, where, overrides)) from None
+    return Recipe(
+        name=checked.name,
+        model=checked.model,
+        encoder=checked.encoder,
+        projector=checked.projector,
+        data=checked.data,
+        stages=declared_stages(checked.stages),
         path=path,
-        digest=hashlib.sha256(text.encode()).hexdigest() if text else "",
-        parallel=_parse_parallel(top.sub("parallel")) if top.mapping.get("parallel") is not None else None,
+        parallel=checked.parallel,
+        task=checked.task,
     )
-    top.seen.add("parallel")
-    top.done()
-    return recipe
 
 
-def _parse_parallel(fields: _Fields) -> ParallelConfig:
-    """Types only; the cross-field arithmetic lives in ``stitch.config.validate.check_parallel``."""
-    roles = fields.sub("gpus") if fields.mapping.get("gpus") is not None else None
-    config = ParallelConfig(
-        world_size=fields.positive_int("world_size", None),
-        data_parallel=fields.positive_int("data_parallel", None),
-        tensor_parallel=fields.positive_int("tensor_parallel", 1),
-        expert_parallel=fields.positive_int("expert_parallel", 1),
-        policy_gpus=roles.positive_int("policy", 1) if roles else 1,
-        rollout_gpus=roles.positive_int("rollout", 1) if roles else 1,
-        rollout_replicas=fields.positive_int("rollout_replicas", 1),
-        roles_given=roles is not None or fields.mapping.get("rollout_replicas") is not None,
-    )
-    fields.seen.add("gpus")
-    if roles:
-        roles.done()
-    fields.done()
-    return config
-
-
-def _parse_stages(fields: _Fields) -> dict[str, dict[str, Any]]:
-    stages = {}
-    for stage, options in fields.mapping.items():
-        fields.seen.add(stage)
-        if not isinstance(options, Mapping):
-            fields.fail(str(stage), "a mapping of stage options", options)
-        stages[str(stage)] = copy.deepcopy(dict(options))
-    return stages
-
-
-def load_recipe(name_or_path: str | Path, host: Any = None) -> Recipe:
-    """A recipe by registered name (``register_recipes``) or by YAML file path."""
+def load_recipe(name_or_path: str | Path, host: Any = None, *, overrides: Iterable[str] = ()) -> Recipe:
+    """A recipe by registered name (``register_recipes``) or by YAML file path, with ``key=value`` overrides
+    (``stages.sft.steps=50``; values parse as YAML, so ``lora={r: 8}`` and ``1e-4`` work)."""
     candidate = Path(name_or_path)
     if candidate.suffix in {".yaml", ".yml"} or candidate.is_file():
         if not candidate.is_file():
@@ -438,22 +524,76 @@ def load_recipe(name_or_path: str | Path, host: Any = None) -> Recipe:
 
             host = get_host()
         path = Path(host.get("recipes", str(name_or_path)).path)
-    text = path.read_text()
     try:
-        mapping = yaml.safe_load(text)
+        mapping = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe {str(path)!r} is not valid YAML: {exc}") from exc
-    return parse_recipe(mapping, path=path, text=text)
+    return parse_recipe(mapping, path=path, overrides=overrides)
+
+
+def apply_overrides(mapping: Any, overrides: Iterable[str], where: str = "recipe") -> dict[str, Any]:
+    """A copy of ``mapping`` with each ``dotted.key=value`` set (missing parent mappings are created; the
+    schema then refuses a key that does not exist, naming its path)."""
+    if not isinstance(mapping, Mapping):
+        raise RecipeError(f"{where}: expected a mapping at the top of the file, got {short_repr(mapping)}")
+    result = _copy_mapping(mapping)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise RecipeError(f"{where}: override {item!r}: expected dotted.key=value, e.g. stages.sft.steps=50")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{where}: override {item!r}: the value is not valid YAML: {exc}") from None
+        node = result
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                prefix = ".".join(parts[: depth + 1])
+                raise RecipeError(f"{where}: override {item!r}: field {prefix!r} holds {short_repr(child)}, not a "
+                                  f"mapping, so it has no field {parts[depth + 1]!r}")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _copy_mapping(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy_mapping(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_mapping(v) for v in value]
+    return value
+
+
+def _where(path: Path | None, mapping: Any) -> str:
+    if path is not None:
+        return f"recipe {str(path)!r}"
+    name = mapping.get("name") if isinstance(mapping, Mapping) else None
+    return f"recipe {name!r}" if isinstance(name, str) else "recipe"
+
+
+# -- schema ----------------------------------------------------------------------------------------------------
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """The JSON schema of a recipe file (what `stitch recipe schema` prints)."""
+    return RecipeFile.model_json_schema()
 
 
 def stage_options(cls: type, recipe: Recipe, stage: str) -> Any:
-    """``cls(**recipe.stages[stage])`` for a dataclass of stage options; an unknown key is refused by name."""
+    """Compatibility for stage code not yet reading ``recipe.stages[stage]``: a typed options class gets the
+    recipe's instance; a legacy dataclass is built from the options the recipe sets (already type-checked)."""
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        return recipe.stage_options(stage)
     raw = recipe.stage(stage)
-    known = set(cls.__dataclass_fields__)
+    known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
     unknown = sorted(set(raw) - known)
     if unknown:
         raise RecipeError(
-            f"recipe {recipe.name!r}: unknown field 'stages.{stage}.{unknown[0]}'; known: {', '.join(sorted(known))}"
+            f"{recipe.where()}: unknown field 'stages.{stage}.{unknown[0]}'; expected one of {', '.join(known)}"
         )
     return cls(**raw)
 

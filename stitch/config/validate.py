@@ -1,69 +1,39 @@
-"""Resolve and validate a whole recipe before anything heavy runs: registrations, every stage's options,
-cross-stage contracts (the GRPO/DPO warm start must restate SFT's LoRA rank and alpha), and the parallel
-layout's arithmetic (world size against data/tensor/expert parallel sizes, batch divisibility, GPUs per role)."""
+"""The recipe checks that need the installed plugins (registered model, encoder, projector, sentinels, task; a
+pack holds at least one media block) and the parallel layout's arithmetic (world size against data/tensor/expert
+parallel sizes, batch divisibility, GPUs per role). Types, ranges and cross-stage contracts are the schema's
+(``stitch.config.recipe``), checked when the recipe loads."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from stitch.config.options import StageOptions
 from stitch.config.recipe import ParallelConfig, Recipe, RecipeError
 
-KNOWN_STAGES = ("alignment", "sft", "grpo", "dpo")
+PACKED_STAGES = ("alignment", "sft")  # stages whose options carry a token_budget
 
 
-def validate_recipe(recipe: Recipe, host: Any = None) -> dict[str, Any]:
-    """The parsed options of every stage; raises naming the field at fault."""
+def validate_recipe(recipe: Recipe, host: Any = None) -> dict[str, StageOptions]:
+    """The recipe's stages (name -> typed options) once everything it names is registered and its layout adds
+    up; raises naming the field at fault."""
     from stitch.plugins.host import get_host
-    from stitch.stages.dpo import DPOOptions
-    from stitch.stages.grpo import GRPOOptions
-    from stitch.stages.supervised import StageOptions
+    from stitch.tasks import resolve_task
 
     host = host or get_host()
     model = host.get("models", recipe.model)
     encoder = host.get("encoders", recipe.encoder)
     host.get("projectors", recipe.projector)
     host.get("token_sentinels", model.sentinels)
-    unknown = sorted(set(recipe.stages) - set(KNOWN_STAGES))
-    if unknown:
-        raise RecipeError(f"recipe {recipe.name!r}: unknown stage 'stages.{unknown[0]}'; known: {list(KNOWN_STAGES)}")
-    resolved: dict[str, Any] = {}
-    for stage in ("alignment", "sft"):
-        if stage in recipe.stages:
-            opts = StageOptions.from_recipe(recipe, stage)
-            # a sample holds at least one media block: start + placeholders + end
-            floor = encoder.tokens_per_item + 2
-            if opts.token_budget < floor:
-                raise RecipeError(
-                    f"recipe {recipe.name!r}: field 'stages.{stage}.token_budget': expected at least {floor} "
-                    f"({encoder.tokens_per_item} soft tokens + 2 sentinels), got {opts.token_budget}"
-                )
-            resolved[stage] = opts
-    if "grpo" in recipe.stages:
-        resolved["grpo"] = GRPOOptions.from_recipe(recipe)
-    if "dpo" in recipe.stages:
-        resolved["dpo"] = DPOOptions.from_recipe(recipe)
-    for stage in ("grpo", "dpo"):
-        if stage in recipe.stages and "sft" not in recipe.stages:
-            raise RecipeError(f"recipe {recipe.name!r}: stage {stage!r} warm-starts from 'sft', which it lacks")
-    if "grpo" in resolved and resolved["grpo"].lora is not None and "sft" in resolved:
-        sft_lora, grpo_lora = resolved["sft"].lora, resolved["grpo"].lora
-        for key in ("r", "alpha"):
-            if sft_lora.get(key) != grpo_lora.get(key):
-                raise RecipeError(
-                    f"recipe {recipe.name!r}: field 'stages.grpo.lora.{key}': the warm start restates SFT's "
-                    f"adapter, expected {sft_lora.get(key)!r}, got {grpo_lora.get(key)!r}"
-                )
-    partitions = {p.name for p in recipe.data.partitions}
-    for stage, opts in resolved.items():
-        for key in ("partition", "eval_partition"):
-            value = getattr(opts, key, None)
-            if value is not None and value not in partitions:
-                raise RecipeError(
-                    f"recipe {recipe.name!r}: field 'stages.{stage}.{key}': expected one of {sorted(partitions)}, "
-                    f"got {value!r}"
-                )
-    check_parallel(recipe, resolved)
-    return resolved
+    resolve_task(recipe, host)
+    # a sample holds at least one media block: start + placeholders + end
+    floor = encoder.tokens_per_item + 2
+    for stage in PACKED_STAGES:
+        opts = recipe.stages.get(stage)
+        if opts is not None and opts.token_budget < floor:
+            _fail(recipe, f"field 'stages.{stage}.token_budget': expected at least {floor} "
+                          f"({encoder.tokens_per_item} soft tokens + 2 sentinels), got {opts.token_budget}")
+    check_parallel(recipe, recipe.stages)
+    return dict(recipe.stages)
 
 
 # -- parallel layout -----------------------------------------------------------------------------------
@@ -72,7 +42,7 @@ DATA_PARALLEL_BATCH = {"alignment": ("batch_size", "packs"), "sft": ("batch_size
 
 
 def _fail(recipe: Recipe, message: str) -> None:
-    raise RecipeError(f"recipe {recipe.name!r}: {message}")
+    raise RecipeError(f"{recipe.where()}: {message}")
 
 
 def _divides(recipe: Recipe, what: str, size: int, into: str, total: int) -> None:
@@ -110,7 +80,7 @@ def resolve_parallel(recipe: Recipe) -> tuple[int | None, int | None]:
     return world, dp
 
 
-def check_parallel(recipe: Recipe, resolved: dict[str, Any]) -> None:
+def check_parallel(recipe: Recipe, resolved: dict[str, StageOptions]) -> None:
     """The ``parallel`` section's arithmetic, spelled out in every refusal; then what stitch cannot do yet."""
     par = recipe.parallel
     if par is None:
