@@ -18,6 +18,9 @@ def main() -> None:
     except (ValueError, FileNotFoundError, PluginError, RegistryLookupError) as exc:
         if os.environ.get("STITCH_DEBUG"):
             raise
-        err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        from rich.markup import escape
+
+        # escaped: a message holding "[...]" (a field path, a list) must print as written, not as markup
+        err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False)
         sys.exit(2)
 
