@@ -12,10 +12,11 @@ def main() -> None:
     import sys
 
     from stitch.plugins.host import PluginError, RegistryLookupError
+    from stitch.runs.lock import RunLockedError
 
     try:
         app()
-    except (ValueError, FileNotFoundError, PluginError, RegistryLookupError) as exc:
+    except (ValueError, FileNotFoundError, PluginError, RegistryLookupError, RunLockedError) as exc:
         if os.environ.get("STITCH_DEBUG"):
             raise
         from rich.markup import escape
