@@ -6,6 +6,7 @@ line is one row: id, partition, chat messages, feature keys (shard + index), sha
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import OrderedDict
@@ -37,9 +38,44 @@ class UnknownRowError(KeyError):
 class FeatureKey:
     shard: str  # a file name inside the feature cache, never a path
     index: int  # the item's position along the shard's first axis
+    sha256: str | None = None  # the shard file's sha256 when it was written; verified before its first read
 
     def as_json(self) -> dict[str, Any]:
-        return {"shard": self.shard, "index": self.index}
+        return {"shard": self.shard, "index": self.index, **({"sha256": self.sha256} if self.sha256 else {})}
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def shard_digest_path(shard: Path) -> Path:
+    """The sidecar holding a shard's sha256 as written: ``<name>.sha256``."""
+    return shard.with_name(shard.name + ".sha256")
+
+
+def write_digest(shard: Path, digest: str) -> None:
+    sidecar = shard_digest_path(shard)
+    tmp = sidecar.with_name(f".{sidecar.name}.{os.getpid()}")
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, sidecar)
+
+
+def verified_shard_digest(shard: Path) -> str:
+    """The shard's recorded sha256, after checking the file still has it; refuses a tampered or unrecorded shard."""
+    sidecar = shard_digest_path(shard)
+    if not sidecar.is_file():
+        raise FeatureCacheError(f"feature shard {shard} has no recorded sha256 ({sidecar.name}); delete it and "
+                                f"re-run `stitch prepare`")
+    recorded = sidecar.read_text().strip()
+    actual = file_sha256(shard)
+    if actual != recorded:
+        raise FeatureCacheError(f"feature shard {shard} was modified after it was written: sha256 {actual}, "
+                                f"recorded {recorded}; delete it and re-run `stitch prepare`")
+    return recorded
 
 
 @dataclass(frozen=True)
@@ -95,7 +131,8 @@ class ManifestRow:
                 id=str(record["id"]),
                 partition=str(record["partition"]),
                 messages=tuple({"role": m["role"], "content": m["content"]} for m in record["messages"]),
-                features=tuple(FeatureKey(str(k["shard"]), int(k["index"])) for k in record["features"]),
+                features=tuple(FeatureKey(str(k["shard"]), int(k["index"]), k.get("sha256"))
+                               for k in record["features"]),
                 tokens=int(record["tokens"]),
                 width=int(record["width"]),
                 dtype=str(record["dtype"]),
@@ -181,6 +218,7 @@ class FeatureCache:
         self.root = Path(root).resolve()
         self.max_open_shards = max_open_shards
         self._open: OrderedDict[str, Any] = OrderedDict()
+        self._verified: set[str] = set()
 
     def shard_path(self, name: str, row_id: str = "?") -> Path:
         path = (self.root / check_shard_name(name, row_id)).resolve()
@@ -188,7 +226,7 @@ class FeatureCache:
             raise FeatureCacheError(f"row {row_id!r}: shard {name!r} resolves outside {self.root}; refusing")
         return path
 
-    def _handle(self, name: str, row_id: str) -> Any:
+    def _handle(self, name: str, row_id: str, sha256: str | None = None) -> Any:
         from safetensors import safe_open
 
         if name in self._open:
@@ -197,6 +235,13 @@ class FeatureCache:
         path = self.shard_path(name, row_id)
         if not path.is_file():
             raise FeatureCacheError(f"row {row_id!r}: feature shard {path} is missing; re-run `stitch prepare`")
+        if sha256 is not None and name not in self._verified:  # once per process: hashing is a full read
+            actual = file_sha256(path)
+            if actual != sha256:
+                raise FeatureCacheError(f"row {row_id!r}: feature shard {path} has sha256 {actual}, but the manifest "
+                                        f"recorded {sha256} when it was written; it was modified: re-run "
+                                        f"`stitch prepare`")
+            self._verified.add(name)
         handle = safe_open(str(path), framework="pt")
         self._open[name] = handle
         while len(self._open) > self.max_open_shards:
@@ -207,7 +252,7 @@ class FeatureCache:
         """Items ``[len(keys), tokens, width]`` in key order."""
         items = []
         for key in keys:
-            sliced = self._handle(key.shard, row_id).get_slice(SHARD_TENSOR)
+            sliced = self._handle(key.shard, row_id, key.sha256).get_slice(SHARD_TENSOR)
             size = sliced.get_shape()[0]
             if not 0 <= key.index < size:
                 raise FeatureCacheError(

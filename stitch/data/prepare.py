@@ -35,6 +35,10 @@ from stitch.data.feature_cache import (
     SHARD_TENSOR,
     FeatureKey,
     ManifestRow,
+    file_sha256,
+    shard_digest_path,
+    verified_shard_digest,
+    write_digest,
 )
 from stitch.plugins.specs import EncoderSpec
 
@@ -246,8 +250,9 @@ def shard_key(identity: Mapping[str, Any], item_hashes: Iterable[str]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:40]
 
 
-def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any]) -> None:
-    """Write ``features`` to ``path`` atomically: a temp file in the same directory, then rename."""
+def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any]) -> str:
+    """Write ``features`` to ``path`` atomically (a temp file in the same directory, then rename), and its sha256
+    beside it (``<name>.sha256``); returns the sha256 that readers verify before use."""
     from safetensors.torch import save_file
 
     tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{path.name}")
@@ -256,10 +261,13 @@ def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any])
     try:
         save_file({SHARD_TENSOR: features.contiguous()}, str(tmp), metadata=meta)
         os.chmod(tmp, 0o644)  # readable like any other prepared file
+        digest = file_sha256(tmp)
+        write_digest(path, digest)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+    return digest
 
 
 # -- the run --------------------------------------------------------------------------------------------
@@ -395,18 +403,19 @@ class _Preparation:
         path = self.cache_dir / name
         n_items = sum(len(r.media) for r in rows)
         if path.is_file():
+            digest = verified_shard_digest(path)  # a reused shard must still be the file that was written
             self.shards_reused += 1
             bar.update(len(rows))
         else:
             self.check_retained(n_items * self.item_bytes, f"with shard {name} ({rows[0].id}..{rows[-1].id})")
-            write_shard(path, self.encode(rows, bar), {**self.identity, "items": n_items})
+            digest = write_shard(path, self.encode(rows, bar), {**self.identity, "items": n_items})
             self.shards_encoded += 1
             self.items_encoded += n_items
         if name not in self.referenced:
             self.referenced[name] = path.stat().st_size
         index = 0
         for row in rows:
-            keys = tuple(FeatureKey(name, index + j) for j in range(len(row.media)))
+            keys = tuple(FeatureKey(name, index + j, digest) for j in range(len(row.media)))
             index += len(row.media)
             self.items_written += len(row.media)
             record = ManifestRow(
@@ -475,6 +484,7 @@ class _Preparation:
         for shard in self.cache_dir.glob("*.safetensors"):  # orphans of earlier recipes
             if shard.name not in self.referenced:
                 shard.unlink()
+                shard_digest_path(shard).unlink(missing_ok=True)
         total_rows = sum(self.rows_written.values())
         retained = self.retained()
         report = PrepareReport(

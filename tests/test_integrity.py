@@ -1,0 +1,56 @@
+"""Prepared feature shards record their sha256 when written and are verified before use: a tampered shard is
+refused, naming it, by training reads and by a re-run of prepare."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from stitch_testing import write_recipe
+
+from stitch.config.recipe import load_recipe
+from stitch.data.feature_cache import FeatureCacheError, PreparedData, shard_digest_path
+from stitch.data.prepare import prepare
+
+
+@pytest.fixture
+def prepared_small(tmp_path):
+    recipe = load_recipe(write_recipe(
+        tmp_path / "r.yaml", data__source__rows=12, data__source__caption_rows=0, data__scan_cap=16,
+        data__partitions={"alignment": [0, 4], "train": [4, 8], "eval": [8, 10], "grpo": [10, 12]}))
+    out = tmp_path / "run" / "data"
+    prepare(recipe, out, progress=False)
+    return recipe, out
+
+
+def _tamper(shard) -> None:
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # a byte of tensor data, past the safetensors header
+    shard.write_bytes(bytes(data))
+
+
+def test_every_manifest_key_carries_the_sha256_its_shard_was_written_with(prepared_small):
+    _, out = prepared_small
+    rows = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    for row in rows:
+        for key in row["features"]:
+            shard = out / "feature-cache" / key["shard"]
+            assert key["sha256"] == shard_digest_path(shard).read_text().strip()
+
+
+def test_a_tampered_shard_is_refused_by_training_reads_naming_it(prepared_small):
+    _, out = prepared_small
+    data = PreparedData(out)
+    row = next(iter(data.rows("train")))
+    shard = out / "feature-cache" / row.features[0].shard
+    _tamper(shard)
+    with pytest.raises(FeatureCacheError, match=rf"{shard.name}.*modified"):
+        PreparedData(out).features(row)
+
+
+def test_a_tampered_shard_is_refused_when_prepare_would_reuse_it(prepared_small):
+    recipe, out = prepared_small
+    shard = next((out / "feature-cache").glob("*.safetensors"))
+    _tamper(shard)
+    with pytest.raises(FeatureCacheError, match=rf"{shard.name} was modified"):
+        prepare(recipe, out, progress=False)
