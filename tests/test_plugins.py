@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from stitch.plugins import hookspecs
-from stitch.plugins.hookspecs import hookimpl
 from stitch.plugins.hookspecs import HOOKS as HOOK_TABLE
+from stitch.plugins.hookspecs import hookimpl
 from stitch.plugins.host import PluginError, RegistryLookupError, load_plugins
 from stitch.plugins.specs import (
     EncoderSpec,
@@ -26,6 +26,7 @@ from stitch.plugins.specs import (
     RolloutPayloadSpec,
     SentinelSpec,
     StateDictAdapterSpec,
+    TaskSpec,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,19 +200,24 @@ def test_missing_name_of_an_uninstalled_checkout_plugin_says_pip_install_from_it
     assert "comes from" not in str(err.value) and "Available models:" in str(err.value)
 
 
-def test_every_hook_is_documented_with_its_signature_and_has_a_test():
+def test_every_hook_is_documented_with_its_signature_and_has_a_test_of_the_core_using_it():
+    """datasette's rule, kept honest: a section in docs/hooks.md per hook, and a ``test_hook_<name>`` in
+    tests/test_hooks_used.py that shows a core code path using what was registered (not a round-trip)."""
     docs = (REPO / "docs" / "hooks.md").read_text()
-    tests = Path(__file__).read_text()
+    used = (REPO / "tests" / "test_hooks_used.py").read_text()
     assert HOOKS == sorted(hook.name for hook in HOOK_TABLE.values())
     for hook in HOOKS:
         params = inspect.signature(getattr(hookspecs, hook)).parameters
         signature = f"{hook}({', '.join(params)})"
         assert f"## {signature}" in docs, f"docs/hooks.md lacks a section '## {signature}'"
         assert getattr(hookspecs, hook).__doc__, f"{hook} has no docstring"
-        assert re.search(rf"^def test_hook_{hook}\b", tests, re.M), f"no test_hook_{hook} in {__file__}"
+        assert re.search(rf"^def test_hook_{hook}\b", used, re.M), f"no test_hook_{hook} in tests/test_hooks_used.py"
+    section = docs.split("## register_tasks(register)")[1]
+    for name in TaskSpec.__dataclass_fields__:  # the TaskSpec fields each have their line
+        assert f"- `{name}" in section, f"docs/hooks.md register_tasks section does not describe TaskSpec.{name}"
 
 
-# -- one test per hook: an in-process plugin registers through it and the entry is stamped -----------
+# -- per hook: an in-process plugin registers through it and the entry is stamped and listed -----------
 
 def _single(kind: str, spec) -> None:
     hook = HOOK_TABLE[kind].name
@@ -226,36 +232,40 @@ def _single(kind: str, spec) -> None:
 SOURCE = ModelSource(local_path="/nonexistent")
 
 
-def test_hook_register_encoders():
+def test_stamped_register_encoders():
     _single("encoders", EncoderSpec("e", "image", 8, 4, SOURCE, load=print, decode_item=print))
 
 
-def test_hook_register_token_sentinels():
+def test_stamped_register_token_sentinels():
     _single("token_sentinels", SentinelSpec("fam", "<s>", "<p>", "</s>"))
 
 
-def test_hook_register_models():
+def test_stamped_register_models():
     _single("models", ModelSpec("m", "Qwen3_5ForCausalLM", "fam", SOURCE, 64, ("q_proj",)))
 
 
-def test_hook_register_state_dict_adapters():
+def test_stamped_register_state_dict_adapters():
     _single("state_dict_adapters", StateDictAdapterSpec("a", "vlm", "text", convert=dict))
 
 
-def test_hook_register_rollout_payloads():
+def test_stamped_register_rollout_payloads():
     _single("rollout_payloads", RolloutPayloadSpec("p", "image", ("p",), build=dict, validate=print))
 
 
-def test_hook_register_rollout_engines():
+def test_stamped_register_rollout_engines():
     _single("rollout_engines", RolloutEngineSpec("eng", factory=print))
 
 
-def test_hook_register_projectors():
+def test_stamped_register_projectors():
     _single("projectors", ProjectorSpec("proj", build=lambda w, h: None))
 
 
-def test_hook_register_recipes():
+def test_stamped_register_recipes():
     _single("recipes", RecipeSpec("r", Path("/nonexistent.yaml")))
+
+
+def test_stamped_register_tasks():
+    _single("tasks", TaskSpec("t", reward=lambda completion, row: 0.0))
 
 
 def test_model_source_requires_a_pinned_revision_for_hub_ids():
