@@ -316,3 +316,12 @@ def test_cli_user_error_is_one_clear_line_on_stderr_with_exit_code_2(tmp_path):
     assert res.returncode == 2
     assert "missing.yaml" in res.stderr and "does not exist" in res.stderr
     assert "Traceback" not in res.stderr + res.stdout
+
+
+def test_cli_registry_lists_any_kind_of_the_hook_table_and_refuses_an_unknown_one():
+    out = subprocess.run([sys.executable, "-m", "stitch", "registry", "state_dict_adapters", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    assert {"name": "qwen3.5-vlm-to-text", "plugin": "stitch-qwen"}.items() <= json.loads(out)[0].items()
+    res = subprocess.run([sys.executable, "-m", "stitch", "registry", "adapterz"], capture_output=True, text=True)
+    assert res.returncode != 0
+    assert "adapterz" in res.stderr + res.stdout and "state_dict_adapters" in res.stderr + res.stdout
