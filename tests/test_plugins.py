@@ -190,6 +190,7 @@ def test_missing_name_of_an_uninstalled_checkout_plugin_says_pip_install_from_it
         '[project]\nname = "stitch-fake-models"\n\n[project.entry-points.stitch]\nfake = "stitch_fake"\n\n'
         '[project.entry-points."stitch.models"]\n"fake-7b" = "stitch_fake"\n'
     )
+    (site / "pyproject.toml").write_text('[project]\nname = "stitch"\n')  # a checkout's root
     monkeypatch.setattr(host_module, "CHECKOUT_PLUGINS", site / "plugins")
     host = load_plugins()
     with pytest.raises(RegistryLookupError) as err:

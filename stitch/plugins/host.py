@@ -91,7 +91,9 @@ def declared_providers(kind: str, name: str) -> list[Provider]:
     for ep in importlib.metadata.entry_points(group=group):
         if ep.name == name and ep.dist is not None:
             found.setdefault(ep.dist.name, Provider(ep.dist.name, installed=True))
-    for pyproject in sorted(CHECKOUT_PLUGINS.glob("*/pyproject.toml")):
+    # only in a source checkout (the plugins' packaging beside the core's pyproject), never in site-packages
+    checkout = (CHECKOUT_PLUGINS.parent / "pyproject.toml").is_file()
+    for pyproject in sorted(CHECKOUT_PLUGINS.glob("*/pyproject.toml")) if checkout else []:
         project = tomllib.loads(pyproject.read_text()).get("project", {})
         dist = project.get("name")
         if dist and name in project.get("entry-points", {}).get(group, {}) and dist not in found:
