@@ -1,14 +1,16 @@
 """The plugin API: everything a stitch plugin may import, in one module (see docs/plugin-api.md).
 
 Plugins import from ``stitch.api`` only; the rest of ``stitch`` is internal and may move between releases
-(``tests/test_layout.py`` checks the first-party plugins and the template for this).
+(``tests/test_hooks_used.py`` walks the first-party plugins and the template with ``ast`` for this).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
 from stitch.config.recipe import shipped_recipes
-from stitch.demo.pretrain import pretrain_in_place
-from stitch.demo.tiny import chatml_template, padded_vocab_size, train_tokenizer
 from stitch.model.varlen import (
     fla_conv,
     fla_kernels_importable,
@@ -18,6 +20,7 @@ from stitch.model.varlen import (
     varlen_kernels_ready,
 )
 from stitch.plugins.hookspecs import hookimpl
+from stitch.plugins.host import load_plugins
 from stitch.plugins.specs import (
     EncoderSpec,
     ModelSource,
@@ -47,6 +50,8 @@ __all__ = [
     "StateDictAdapterSpec",
     "TaskRow",
     "TaskSpec",
+    # a plugin's own tests: load the plugins as stitch does and look the registrations up
+    "load_plugins",
     # building blocks for registrations
     "PayloadError",
     "feature_payload_spec",
@@ -64,3 +69,35 @@ __all__ = [
     "segments",
     "varlen_kernels_ready",
 ]
+
+# The tiny presets' building blocks live in stitch.demo, which the core imports only lazily (on first call).
+
+
+def chatml_template(start: str = "<|im_start|>", end: str = "<|im_end|>") -> str:
+    """A ChatML-style chat template with the given role markers (``stitch.demo.tiny.chatml_template``)."""
+    from stitch.demo.tiny import chatml_template as template
+
+    return template(start, end)
+
+
+def train_tokenizer(out_dir: Path, special_tokens: Sequence[str], **options: Any) -> None:
+    """Train and save a small BPE tokenizer for a tiny preset (``stitch.demo.tiny.train_tokenizer``: keyword
+    options ``eos_token``, ``pad_token``, ``chat_template``, ``vocab_size``, ``corpus``...)."""
+    from stitch.demo.tiny import train_tokenizer as train
+
+    train(out_dir, special_tokens, **options)
+
+
+def padded_vocab_size(tokenizer_dir: Path, multiple: int = 64) -> int:
+    """Embedding rows for a saved tokenizer: its length rounded up to ``multiple``."""
+    from stitch.demo.tiny import padded_vocab_size as padded
+
+    return padded(tokenizer_dir, multiple)
+
+
+def pretrain_in_place(model_dir: Path, sentinels: tuple[str, str, str], **options: Any) -> None:
+    """Pre-train a tiny preset's snapshot on task-style text and save it back (``stitch.demo.pretrain``: keyword
+    options ``steps``, ``batch_size``, ``lr``, ``tokens_per_item``, ``seed``)."""
+    from stitch.demo.pretrain import pretrain_in_place as pretrain
+
+    pretrain(model_dir, sentinels, **options)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stitch.api import feature_payload_spec, hookimpl
-from stitch_clip.encoder import CLIP_B32, CLIP_TINY, FEATURE_WIDTH, TOKENS_PER_ITEM
+from stitch_clip.encoder import CLIP_B32, CLIP_TINY, FEATURE_WIDTH, PAYLOAD, TOKENS_PER_ITEM
 
 __all__ = ["register_encoders", "register_rollout_payloads"]
 
@@ -16,4 +16,4 @@ def register_encoders(register):
 
 @hookimpl
 def register_rollout_payloads(register):
-    register(feature_payload_spec("clip_image", "image", TOKENS_PER_ITEM, FEATURE_WIDTH))
+    register(feature_payload_spec(PAYLOAD, "image", TOKENS_PER_ITEM, FEATURE_WIDTH))

@@ -15,6 +15,7 @@ TOKENS_PER_ITEM = 49  # (224 / 32) ** 2 patches; the CLS token is dropped
 SELECT_LAYER = -2  # LLaVA's choice: the penultimate layer's patch tokens
 CLIP_REPO = "openai/clip-vit-base-patch32"
 CLIP_REVISION = "3d74acf9a28c67741b2f4f2ea7635f0aaf6f0268"
+PAYLOAD = "clip_image"  # the rollout payload both CLIP encoders' features travel in (registered in __init__)
 
 
 def decode_image(value: Any) -> Any:
@@ -106,6 +107,7 @@ CLIP_B32 = EncoderSpec(
     source=ModelSource(repo_id=CLIP_REPO, revision=CLIP_REVISION),
     load=load_clip,
     decode_item=decode_image,
+    payload=PAYLOAD,
     description="OpenAI CLIP ViT-B/32 vision tower, penultimate-layer patch tokens",
 )
 
@@ -117,5 +119,6 @@ CLIP_TINY = EncoderSpec(
     source=ModelSource(builder=build_tiny_clip, builder_key="clip-tiny-v1"),
     load=load_clip,
     decode_item=decode_image,
+    payload=PAYLOAD,
     description="random-init 2-layer CLIPVisionModel with ViT-B/32's 49 x 768 contract (tests, demo)",
 )

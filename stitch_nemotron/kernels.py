@@ -118,7 +118,6 @@ def use_varlen(model: torch.nn.Module, backend: str = FLA) -> int:
     kernel mixers, plus packed rows flattened into one row carrying the sample starts. Returns the mixers swapped."""
     swapped = install_mamba2_kernels(model, backend)
     flatten_packed_rows(model.model)
-    model.stitch_varlen = True
     return swapped
 
 

@@ -58,14 +58,23 @@ def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, tr
     """stitch's NemotronHForCausalLM (``generate(inputs_embeds=...)`` works) from safetensors via from_pretrained."""
     from stitch_nemotron.generation import NemotronHForCausalLM
 
-    model = NemotronHForCausalLM.from_pretrained(
+    return NemotronHForCausalLM.from_pretrained(
         **source.pretrained_kwargs(), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
     )
-    if varlen_kernels_ready():  # a missing or broken fla is reported by stitch.model.loading.kernel_report
-        swapped = use_varlen(model)
-        log.info("%s: %d Mamba-2 mixers run on flash-linear-attention kernels, packed with sample boundaries",
-                 spec.name, swapped)
-    return model
+
+
+def install_sample_starts(model: Any) -> bool:
+    """On a GPU with fla, run a freshly loaded Nemotron-H's Mamba-2 mixers on the varlen kernels; True when done.
+
+    Called by the core's ``load_model`` (``ModelSpec.install_sample_starts``); a missing or broken fla is
+    reported there (``kernel_report``).
+    """
+    if not varlen_kernels_ready():
+        return False
+    swapped = use_varlen(model)
+    log.info("%s: %d Mamba-2 mixers run on flash-linear-attention kernels, packed with sample boundaries",
+             type(model).__name__, swapped)
+    return True
 
 
 def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, description: str) -> ModelSpec:
@@ -80,6 +89,7 @@ def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, d
         load=load_nemotron_h,
         supports_packing=False,
         packing_when=varlen_kernels_ready,
+        install_sample_starts=install_sample_starts,
         kernels={"fla": "flash-linear-attention"},
         packing_note=PACKING_NOTE,
         description=description,

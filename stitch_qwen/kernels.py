@@ -72,4 +72,3 @@ def use_varlen(model: Any) -> None:
     """Packed calls of ``model`` (a Qwen3.5 causal LM) keep every sample's recurrent state and conv window apart."""
     patch_gated_deltanet()
     flatten_packed_rows(model.model)
-    model.stitch_varlen = True

@@ -1,18 +1,16 @@
-"""Qwen3.5 / Qwen3.6 base-LM bindings: sources, hidden widths, LoRA target sets, the VLM-aware loader."""
+"""Qwen3.5 / Qwen3.6 base-LM bindings: sources, hidden widths, LoRA target sets, the VLM adapter they name, and
+the sample-start path they install for packed training."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from stitch.api import ModelSource, ModelSpec, varlen_kernels_ready
 from stitch_qwen.kernels import use_varlen
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.tiny import TINY_HIDDEN, build_qwen35_demo, build_qwen35_moe_tiny, build_qwen35_tiny
-from stitch_qwen.vlm_layout import VLM_TO_TEXT, SafetensorsStateDict, is_vlm_layout
+from stitch_qwen.vlm_layout import VLM_TO_TEXT
 
 # Families that get LoRA; each survives the GRPO handoff (merge into the base weight, refit as a plain Linear).
 FULL_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -55,72 +53,27 @@ PACKING_NOTE = (
     "position_ids)."
 )
 HOW_TO_LOAD_VLM = (
-    "Text layout loads with from_pretrained; the native VLM layout is mapped through 'qwen3.5-vlm-to-text' "
-    "(vision tower dropped explicitly, never read)."
+    "Text layout loads with from_pretrained; stitch maps the native VLM layout through the state-dict adapter "
+    "'qwen3.5-vlm-to-text' (vision tower dropped explicitly, never read)."
 )
 
 
-def local_snapshot(source: ModelSource) -> Path:
-    """A directory holding the snapshot: the local path / built preset, or the pinned hub revision's json+safetensors."""
-    kwargs = source.pretrained_kwargs()
-    path = Path(kwargs["pretrained_model_name_or_path"])
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
+def install_sample_starts(model: Any) -> bool:
+    """On a GPU with fla, make a freshly loaded Qwen3.5 hybrid pack with sample boundaries; True when it did.
 
-    return Path(
-        snapshot_download(
-            repo_id=kwargs["pretrained_model_name_or_path"],
-            revision=kwargs.get("revision"),
-            allow_patterns=["*.json", "*.safetensors"],
-        )
-    )
-
-
-def load_qwen(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
-    """The text causal LM of ``spec``; on a GPU with fla, hybrid ones pack with sample boundaries."""
-    model = _load_qwen(spec, source, dtype, trust_remote_code)
-    # a missing or broken fla is reported by stitch.model.loading.kernel_report
-    if spec.packing_when is not None and varlen_kernels_ready():
-        try:
-            use_varlen(model)
-            log.info("%s: Gated DeltaNet layers run on flash-linear-attention, packed with sample boundaries",
-                     spec.name)
-        except RuntimeError as exc:  # training then stays unpacked (stitch.stages.supervised checks stitch_varlen)
-            log.warning("%s: %s; training unpacked", spec.name, exc)
-    return model
-
-
-def _load_qwen(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
-    """The text causal LM of ``spec`` from a text-layout or native-VLM-layout snapshot (safetensors only)."""
-    import transformers
-
-    cls = getattr(transformers, spec.architecture)
-    snapshot = local_snapshot(source)
-    if not is_vlm_layout(snapshot):
-        model = cls.from_pretrained(
-            snapshot, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
-        )
-        return model
-
-    vlm_config = transformers.AutoConfig.from_pretrained(snapshot, trust_remote_code=trust_remote_code)
-    text_config = vlm_config.get_text_config()
-    state_dict = VLM_TO_TEXT.convert(SafetensorsStateDict(snapshot))
-    # A VLM checkpoint without its own lm_head shares the embedding matrix (the small Qwen3.5 models do).
-    text_config.tie_word_embeddings = "lm_head.weight" not in state_dict and bool(
-        getattr(vlm_config, "tie_word_embeddings", False)
-        or getattr(text_config, "tie_word_embeddings", False)
-    )
-    model, info = cls.from_pretrained(
-        None, config=text_config, state_dict=state_dict, dtype=dtype, output_loading_info=True
-    )
-    problems = {k: sorted(v) for k, v in info.items() if v}
-    if problems:
-        raise ValueError(
-            f"loading {spec.architecture} from the VLM snapshot {source.describe()} through "
-            f"{VLM_TO_TEXT.name!r} left problems: {problems}"
-        )
-    return model.eval()
+    Called by the core's ``load_model`` (``ModelSpec.install_sample_starts``); a missing or broken fla is
+    reported there too (``kernel_report``), so here it is enough to say nothing was installed.
+    """
+    if not varlen_kernels_ready():
+        return False
+    try:
+        use_varlen(model)
+    except RuntimeError as exc:  # this transformers renamed what the layer calls: training stays unpacked
+        log.warning("%s: %s; training unpacked", type(model).__name__, exc)
+        return False
+    log.info("%s: Gated DeltaNet layers run on flash-linear-attention, packed with sample boundaries",
+             type(model).__name__)
+    return True
 
 
 def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, description: str) -> ModelSpec:
@@ -132,10 +85,10 @@ def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, descriptio
         hidden_size=hidden_size,
         lora_target_modules=FULL_ATTENTION + LINEAR_ATTENTION,
         lora_exclusions=DENSE_EXCLUSIONS,
-        load=load_qwen,
         state_dict_adapter=VLM_TO_TEXT.name,
         supports_packing=False,
         packing_when=varlen_kernels_ready,
+        install_sample_starts=install_sample_starts,
         packing_note=PACKING_NOTE,
         kernels=GDN_KERNELS,
         description=f"{description} {HOW_TO_LOAD_VLM}",
@@ -151,10 +104,10 @@ def qwen_moe_spec(name: str, source: ModelSource, hidden_size: int, description:
         hidden_size=hidden_size,
         lora_target_modules=FULL_ATTENTION + LINEAR_ATTENTION + SHARED_EXPERT,
         lora_exclusions=MOE_EXCLUSIONS,
-        load=load_qwen,
         state_dict_adapter=VLM_TO_TEXT.name,
         supports_packing=False,
         packing_when=varlen_kernels_ready,
+        install_sample_starts=install_sample_starts,
         packing_note=PACKING_NOTE,
         kernels=GDN_KERNELS,
         description=f"{description} {HOW_TO_LOAD_VLM}",
@@ -184,7 +137,6 @@ def qwen_demo_spec() -> ModelSpec:
             **DENSE_EXCLUSIONS,
             "linear attention": "this preset has no Gated DeltaNet layers (attention-only, so it packs)",
         },
-        load=load_qwen,
         state_dict_adapter=VLM_TO_TEXT.name,
         supports_packing=True,
         packing_note=DEMO_PACKING_NOTE,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,49 +59,23 @@ def convert_vlm_to_text(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return converted
 
 
+def text_config_of(vlm_config: Any, state_dict: Mapping[str, Any]) -> Any:
+    """The text LM's config from the VLM's: its nested ``text_config``, tied to the embeddings when the checkpoint
+    ships no ``lm_head`` of its own (the small Qwen3.5 models share the embedding matrix)."""
+    text_config = vlm_config.get_text_config()
+    text_config.tie_word_embeddings = LM_HEAD not in state_dict and bool(
+        getattr(vlm_config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False)
+    )
+    return text_config
+
+
 VLM_TO_TEXT = StateDictAdapterSpec(
     name="qwen3.5-vlm-to-text",
     source_layout="Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration (native VLM checkpoint)",
     target_layout="Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (text LM)",
     convert=convert_vlm_to_text,
+    applies_to=is_vlm_layout,
+    convert_config=text_config_of,
     description="model.language_model.* -> model.*, lm_head kept; model.visual.* (Qwen's own vision tower, "
     "frozen and unused) and mtp.* dropped explicitly; any other key is refused by name.",
 )
-
-
-class SafetensorsStateDict(Mapping[str, Any]):
-    """A read-on-access view of a snapshot's safetensors shards (``model.safetensors`` or an index)."""
-
-    def __init__(self, snapshot: Path) -> None:
-        snapshot = Path(snapshot)
-        index = snapshot / "model.safetensors.index.json"
-        if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            self._files = {key: snapshot / name for key, name in weight_map.items()}
-        elif (snapshot / "model.safetensors").exists():
-            from safetensors import safe_open
-
-            path = snapshot / "model.safetensors"
-            with safe_open(path, framework="pt") as handle:
-                self._files = {key: path for key in handle.keys()}  # noqa: SIM118 (safe_open is not a dict)
-        else:
-            found = sorted(p.name for p in snapshot.iterdir())
-            raise FileNotFoundError(
-                f"{snapshot} has no model.safetensors or model.safetensors.index.json (found: {found}); "
-                f"stitch loads weights from safetensors only"
-            )
-        self._handles: dict[Path, Any] = {}
-
-    def __getitem__(self, key: str) -> Any:
-        from safetensors import safe_open
-
-        path = self._files[key]
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt")
-        return self._handles[path].get_tensor(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
-
-    def __len__(self) -> int:
-        return len(self._files)

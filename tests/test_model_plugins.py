@@ -13,9 +13,10 @@ from stitch.data.sentinels import SentinelError, resolve_sentinels
 from stitch.demo.tiny import padded_vocab_size
 from stitch.model.loading import load_model, load_tokenizer
 from stitch.model.snapshots import ensure_snapshot
-from stitch.plugins.host import FIRST_PARTY, load_plugins
+from stitch.plugins.host import load_plugins
 from stitch.plugins.specs import ModelSource, SentinelSpec
 
+REPO = Path(__file__).resolve().parents[1]
 TINY = ("qwen3.5-tiny", "qwen3.5-moe-tiny", "nemotron-nano-tiny", "nemotron-lightning-tiny")
 QWEN_TINY = ("qwen3.5-tiny", "qwen3.5-moe-tiny")
 PROMPT = [[11, 25, 40, 7, 93, 120, 64]]
@@ -60,14 +61,27 @@ def greedy_by_full_forward(model, embeds: torch.Tensor, steps: int, eos: int | N
 # -- registration ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dist, entry_point", [("stitch-qwen", "qwen"), ("stitch-nemotron", "nemotron")])
-def test_plugin_registers_every_first_party_model_and_sentinel_name_stamped_with_itself(
+def declared(dist: str) -> dict[str, set[str]]:
+    """What ``plugins/DIST/pyproject.toml`` declares the plugin registers: entry-point groups ``stitch.KIND``."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "plugins" / dist / "pyproject.toml").read_text())["project"]
+    return {group.removeprefix("stitch."): set(names) for group, names in project["entry-points"].items()
+            if group.startswith("stitch.")}
+
+
+@pytest.mark.parametrize("dist, entry_point",
+                         [("stitch-qwen", "qwen"), ("stitch-nemotron", "nemotron"), ("stitch-clip", "clip")])
+def test_plugin_registers_exactly_what_its_packaging_metadata_declares_stamped_with_itself(
     plugins, dist, entry_point
 ):
-    for kind in ("models", "token_sentinels"):
-        expected = set(FIRST_PARTY[dist][kind].split())
+    """The declared names are what a lookup miss reads to say which distribution to install: they must not drift
+    from what the plugin registers, in either direction."""
+    kinds = declared(dist)
+    assert kinds, f"{dist} declares nothing"
+    for kind in {*kinds, *(reg.kind for reg in plugins.registrations() if reg.plugin == entry_point)}:
         stamped = {reg.name for reg in plugins.registrations(kind) if reg.plugin == entry_point}
-        assert expected <= stamped, f"{dist} is missing {kind}: {expected - stamped}"
+        assert kinds.get(kind, set()) == stamped, f"{dist} {kind}: declared {kinds.get(kind)}, registered {stamped}"
     for reg in plugins.registrations("models"):
         if reg.plugin == entry_point:
             assert reg.spec.sentinels in plugins.names("token_sentinels")

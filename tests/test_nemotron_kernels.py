@@ -144,3 +144,17 @@ def test_fla_backend_matches_the_reference_on_a_gpu():
         fast_pad = mamba2_forward(mixer, row.expand(2, -1, -1).contiguous(), None, None, backend=FLA)
     assert (fast - ref).abs().max() < 2e-3 * ref.abs().max()
     assert (fast_pad - ref_pad).abs().max() < 2e-3 * ref_pad.abs().max()
+
+
+def test_the_loader_reports_the_sample_start_path_and_training_packs_exactly_then(monkeypatch):
+    import stitch_nemotron.models as nemotron_models
+    from stitch.model.loading import load_model, packs_loaded
+
+    spec = load_plugins().get("models", "nemotron-nano-tiny")
+    monkeypatch.setattr(nemotron_models, "varlen_kernels_ready", lambda: False)
+    plain = load_model(spec)
+    assert not packs_loaded(spec, plain)
+    monkeypatch.setattr(nemotron_models, "varlen_kernels_ready", lambda: True)
+    fitted = load_model(spec)
+    assert packs_loaded(spec, torch.nn.ModuleDict({"lm": fitted}))  # as inside StitchedModel / peft
+    assert any(type(m).__name__ == "KernelMamba2Mixer" for m in fitted.modules())

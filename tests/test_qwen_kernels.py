@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stitch.data.packing import Sample, collate_packs
-from stitch.model.loading import load_model
+from stitch.model.loading import load_model, packs_loaded
 from stitch.model.varlen import varlen_kernels_ready
 from stitch.plugins.host import load_plugins
 from stitch_qwen.kernels import _conv, _rule, patch_gated_deltanet, use_varlen
@@ -76,14 +76,17 @@ def test_fla_packed_rows_equal_each_sample_alone_on_a_gpu(name):
         assert (mine - ref).abs().max() < 2e-3 * ref.abs().max()
 
 
-def test_training_packs_a_hybrid_only_when_its_loader_installed_the_sample_start_path():
-    from stitch.stages.supervised import _carries_sample_starts
+def test_training_packs_a_hybrid_only_when_its_loader_installed_the_sample_start_path(monkeypatch):
+    import stitch_qwen.models as qwen_models
 
-    model = load_model(load_plugins().get("models", "qwen3.5-tiny"))
-    wrapped = torch.nn.ModuleDict({"lm": model})  # as inside StitchedModel / peft
-    assert not _carries_sample_starts(wrapped)
-    use_varlen(model)
-    assert _carries_sample_starts(wrapped)
+    spec = load_plugins().get("models", "qwen3.5-tiny")
+    monkeypatch.setattr(qwen_models, "varlen_kernels_ready", lambda: False)  # no GPU / fla: nothing installed
+    plain = load_model(spec)
+    assert not packs_loaded(spec, torch.nn.ModuleDict({"lm": plain}))  # as inside StitchedModel / peft
+    monkeypatch.setattr(qwen_models, "varlen_kernels_ready", lambda: True)
+    fitted = load_model(spec)
+    assert packs_loaded(spec, torch.nn.ModuleDict({"lm": fitted}))
+    assert not packs_loaded(spec, plain)  # the outcome belongs to the model it was reported for
 
 
 def test_a_transformers_without_the_wrapped_functions_is_refused_by_name(monkeypatch):

@@ -76,8 +76,9 @@ def test_rendered_plugin_is_listed_by_stitch_list_plugins_with_its_hooks_and_reg
     mine = [p for p in listing["plugins"] if p["name"] == PLUGIN]
     assert mine, f"{PLUGIN} not listed; listed: {[p['name'] for p in listing['plugins']]}"
     assert mine[0]["entry_point"] == MODALITY and mine[0]["version"] == "0.1.0"
-    assert mine[0]["hooks"] == ["register_encoders", "register_rollout_payloads"]
-    assert mine[0]["registered"] == {"encoders": [f"{MODALITY}-encoder"], "rollout_payloads": [MODALITY]}
+    assert mine[0]["hooks"] == ["register_encoders", "register_recipes", "register_rollout_payloads"]
+    assert mine[0]["registered"] == {"encoders": [f"{MODALITY}-encoder"], "recipes": [f"{MODALITY}-demo"],
+                                     "rollout_payloads": [MODALITY]}
 
 
 @pytest.fixture
@@ -115,10 +116,8 @@ def test_rendered_readme_recipe_parses_and_prepares_data_stored_as_it_says(insta
     stages, and `prepare` must run the plugin over data stored as the README says, skipping a corrupt row."""
     from datasets import Dataset
 
+    from stitch.config.validate import validate_recipe
     from stitch.data.prepare import prepare
-    from stitch.stages.dpo import DPOOptions
-    from stitch.stages.grpo import GRPOOptions
-    from stitch.stages.supervised import StageOptions
 
     project, _ = installed
     block = re.search(r"```yaml\n(.*?)```", (project / "README.md").read_text(), re.S)
@@ -126,10 +125,7 @@ def test_rendered_readme_recipe_parses_and_prepares_data_stored_as_it_says(insta
     mapping = yaml.safe_load(block.group(1))
     recipe = parse_recipe(mapping, path=tmp_path / "my.yaml")
     assert recipe.encoder == f"{MODALITY}-encoder"
-    for stage in ("alignment", "sft"):
-        StageOptions.from_recipe(recipe, stage)
-    GRPOOptions.from_recipe(recipe)
-    DPOOptions.from_recipe(recipe)
+    validate_recipe(recipe, host=plugin_host)  # every stage's options and the registrations it names
 
     rng = np.random.default_rng(0)
     media = [npy_bytes(rng.normal(size=int(rng.integers(20, 90))).cumsum()) for _ in range(11)]
@@ -150,14 +146,30 @@ def test_rendered_readme_recipe_parses_and_prepares_data_stored_as_it_says(insta
     assert {(r["tokens"], r["width"]) for r in rows} == {(TOKENS, WIDTH)}
 
 
-def test_rendered_projects_own_tests_pass(installed):
+@pytest.mark.slow
+def test_rendered_projects_own_tests_pass_including_stitch_run_on_its_shipped_recipe(installed):
+    """The generated project's own suite, as its author runs it: among others, `stitch run` end to end on the
+    demo recipe the plugin ships (its own data, this encoder, stitch-qwen's tiny Qwen3.5)."""
     project, site = installed
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project, env=env_with(site),
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider"], cwd=project, env=env_with(site),
+        capture_output=True, text=True, timeout=1500,
     )
-    assert result.returncode == 0, f"the rendered project's tests failed:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}"
-    assert " passed" in result.stdout and "skipped" not in result.stdout
+    assert result.returncode == 0, f"the rendered project's tests failed:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
+    assert "skipped" not in result.stdout.lower()
+    for name in ("test_stitch_run_trains_the_demo_recipe_end_to_end",
+                 "test_packaging_metadata_declares_exactly_what_the_hooks_register"):
+        assert re.search(rf"{name} PASSED", result.stdout), f"{name} did not pass:\n{result.stdout[-3000:]}"
+
+
+def test_rendered_project_ships_its_demo_data_written_by_its_own_generator(installed):
+    project, _ = installed
+    data = project / "src" / PACKAGE / "recipes" / "data"
+    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 48 and all((data / row[MODALITY]).is_file() for row in rows)
+    recipe = yaml.safe_load((project / "src" / PACKAGE / "recipes" / f"{MODALITY}-demo.yaml").read_text())
+    assert recipe["model"] == "qwen3.5-tiny" and recipe["encoder"] == f"{MODALITY}-encoder"
+    assert recipe["data"]["source"] == {"path": "data/train.jsonl", "format": "json"}
 
 
 def test_rendered_project_is_ruff_clean(installed):

@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 
 from stitch.cli.app import app, console
-from stitch.plugins.host import KINDS, get_host
+from stitch.plugins.hookspecs import HOOKS
+from stitch.plugins.host import get_host
 
 
 def _print_failures() -> None:
@@ -49,7 +50,7 @@ def _registry_view(kind: str, columns: dict[str, Any], as_json: bool,
     host = get_host()
     regs = host.registrations(kind)
     records = [
-        {"name": reg.name, "plugin": host._label(reg.plugin), **{c: fn(reg.spec) for c, fn in columns.items()},
+        {"name": reg.name, "plugin": host.label(reg.plugin), **{c: fn(reg.spec) for c, fn in columns.items()},
          **{c: fn(reg.spec) for c, fn in (json_only or {}).items() if as_json}}
         for reg in regs
     ]
@@ -113,12 +114,12 @@ def sentinels(as_json: bool = _JSON) -> None:
 
 @app.command()
 def registry(
-    kind: str = typer.Argument(..., help=f"One of: {', '.join(KINDS)}"),
+    kind: str = typer.Argument(..., help=f"One of: {', '.join(HOOKS)}"),
     as_json: bool = _JSON,
 ) -> None:
     """Any registry by kind (adapters, payloads, engines, projectors, recipes...)."""
-    if kind not in KINDS:
-        raise typer.BadParameter(f"unknown registry {kind!r}; expected one of {', '.join(KINDS)}")
+    if kind not in HOOKS:
+        raise typer.BadParameter(f"unknown registry {kind!r}; expected one of {', '.join(HOOKS)}")
     _registry_view(kind, {"description": lambda s: getattr(s, "description", "")}, as_json)
 
 

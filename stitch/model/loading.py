@@ -1,15 +1,27 @@
-"""Loading base LMs and tokenizers from a ModelSpec through ``from_pretrained`` (safetensors only)."""
+"""Loading base LMs and tokenizers from a ModelSpec through ``from_pretrained`` (safetensors only).
+
+The core owns the load path: it resolves the binding's state-dict adapter by name through the registry and
+applies it to snapshots in the adapter's source layout, and it records whether the binding's
+``install_sample_starts`` fitted the loaded model for packed training (``packs_loaded``).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import weakref
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from stitch.plugins.specs import ModelSource, ModelSpec
+from stitch.plugins.specs import ModelSource, ModelSpec, StateDictAdapterSpec
 
 log = logging.getLogger("stitch")
+
+# Models whose binding installed the sample-start path at load time (held weakly: a dropped model leaves).
+_WITH_SAMPLE_STARTS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def load_tokenizer(spec: ModelSpec, source: ModelSource | None = None, trust_remote_code: bool = False) -> Any:
@@ -44,23 +56,125 @@ def kernel_report(spec: ModelSpec) -> list[str]:
     return lines
 
 
+# -- snapshots ----------------------------------------------------------------------------------------------
+
+
+def local_snapshot(source: ModelSource) -> Path:
+    """A directory holding the snapshot: the local path / built preset, or the pinned hub revision's json and
+    safetensors files (nothing else is fetched)."""
+    kwargs = source.pretrained_kwargs()
+    path = Path(kwargs["pretrained_model_name_or_path"])
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id=kwargs["pretrained_model_name_or_path"], revision=kwargs.get("revision"),
+                                  allow_patterns=["*.json", "*.safetensors"]))
+
+
+class SafetensorsStateDict(Mapping[str, Any]):
+    """A read-on-access view of a snapshot's safetensors shards (``model.safetensors`` or an index): an adapter's
+    ``convert`` reads only the tensors it keeps."""
+
+    def __init__(self, snapshot: Path) -> None:
+        snapshot = Path(snapshot)
+        index = snapshot / "model.safetensors.index.json"
+        if index.exists():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            self._files = {key: snapshot / name for key, name in weight_map.items()}
+        elif (snapshot / "model.safetensors").exists():
+            from safetensors import safe_open
+
+            path = snapshot / "model.safetensors"
+            with safe_open(path, framework="pt") as handle:
+                self._files = {key: path for key in handle.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        else:
+            found = sorted(p.name for p in snapshot.iterdir())
+            raise FileNotFoundError(
+                f"{snapshot} has no model.safetensors or model.safetensors.index.json (found: {found}); "
+                f"stitch loads weights from safetensors only"
+            )
+        self._handles: dict[Path, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        from safetensors import safe_open
+
+        path = self._files[key]
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt")
+        return self._handles[path].get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+# -- models -------------------------------------------------------------------------------------------------
+
+
+def state_dict_adapter(spec: ModelSpec, host: Any = None) -> StateDictAdapterSpec | None:
+    """The registered adapter ``spec.state_dict_adapter`` names (None when it names none); a name nobody
+    registered fails here, naming the model and the plugin to install."""
+    if spec.state_dict_adapter is None:
+        return None
+    if host is None:
+        from stitch.plugins.host import get_host
+
+        host = get_host()
+    return host.get("state_dict_adapters", spec.state_dict_adapter)
+
+
+def _load_through_adapter(spec: ModelSpec, adapter: StateDictAdapterSpec, snapshot: Path, source: ModelSource,
+                          dtype: torch.dtype, trust_remote_code: bool) -> Any:
+    import transformers
+
+    cls = getattr(transformers, spec.architecture)
+    config = transformers.AutoConfig.from_pretrained(snapshot, trust_remote_code=trust_remote_code)
+    state_dict = adapter.convert(SafetensorsStateDict(snapshot))
+    if adapter.convert_config is not None:
+        config = adapter.convert_config(config, state_dict)
+    model, info = cls.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype,
+                                      output_loading_info=True, trust_remote_code=trust_remote_code)
+    problems = {k: sorted(v) for k, v in info.items() if v}
+    if problems:  # a missing or unexpected key would load as random init or be dropped silently: refuse
+        raise ValueError(f"loading {spec.architecture} for model {spec.name!r} from {source.describe()} through "
+                         f"the state-dict adapter {adapter.name!r} left problems: {problems}")
+    return model.eval()
+
+
 def load_model(
     spec: ModelSpec,
     source: ModelSource | None = None,
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
+    host: Any = None,
 ) -> Any:
-    """The base LM of ``spec``; weights come from safetensors only, remote code only when asked for."""
+    """The base LM of ``spec``; weights come from safetensors only, remote code only when asked for.
+
+    A snapshot in the source layout of the binding's state-dict adapter (resolved by name through ``host``, the
+    process-wide plugin host by default) is read through that adapter; then the binding's
+    ``install_sample_starts`` fits the model for packed training where it can (see ``packs_loaded``).
+    """
     source = source or spec.source
+    adapter = state_dict_adapter(spec, host)
+    if adapter is not None and spec.load is not None:
+        raise ValueError(f"model {spec.name!r} declares both a custom load and the state-dict adapter "
+                         f"{adapter.name!r}; the core applies adapters on its own load path only, so drop one")
+    snapshot = local_snapshot(source) if adapter is not None else None
     if spec.load is not None:
         model = spec.load(spec, source, dtype, trust_remote_code)
+    elif adapter is not None and (adapter.applies_to is None or adapter.applies_to(snapshot)):
+        log.info("%s: %s is in the %s layout; loading through the state-dict adapter %r", spec.name,
+                 source.describe(), adapter.source_layout, adapter.name)
+        model = _load_through_adapter(spec, adapter, snapshot, source, dtype, trust_remote_code)
     else:
         import transformers
 
         cls = getattr(transformers, spec.architecture)
-        model = cls.from_pretrained(
-            **source.pretrained_kwargs(), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
-        )
+        kwargs = {"pretrained_model_name_or_path": str(snapshot)} if snapshot else source.pretrained_kwargs()
+        model = cls.from_pretrained(**kwargs, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
     # every projector for this model is built to the declared width: refuse a checkpoint that differs
     actual = model.config.get_text_config().hidden_size
     if actual != spec.hidden_size:
@@ -71,12 +185,15 @@ def load_model(
     for line in kernel_report(spec):
         # said once at start-up: a hybrid model without its kernels is several times slower on a GPU
         (log.warning if torch.cuda.is_available() else log.info)(line)
+    if spec.install_sample_starts is not None and spec.install_sample_starts(model):
+        _WITH_SAMPLE_STARTS.add(model)
     return model
 
 
 def packs_loaded(spec: ModelSpec, model: Any) -> bool:
-    """Whether ``model`` (loaded from ``spec``) trains on packed rows here: the binding packs natively, or its
-    loader wired sample boundaries into this model (hybrid layers with varlen kernels)."""
+    """Whether ``model`` (loaded from ``spec`` by ``load_model``, possibly wrapped since: peft, StitchedModel)
+    trains on packed rows here: the binding packs natively (``supports_packing``), or its
+    ``install_sample_starts`` reported at load time that it fitted this model with the sample-start path."""
     if spec.supports_packing:
         return True
-    return spec.packs() and any(getattr(m, "stitch_varlen", False) for m in model.modules())
+    return any(module in _WITH_SAMPLE_STARTS for module in model.modules())

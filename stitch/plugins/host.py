@@ -4,35 +4,26 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pluggy
 
 from stitch import __version__
 from stitch.plugins import hookspecs
+from stitch.plugins.hookspecs import HOOKS
 
 ENTRY_POINT_GROUP = "stitch"
 BUILTIN_NAME = "stitch"
 
-# registry kind -> (hook name, spec type, noun), read off the hookspecs' own table
-KINDS: dict[str, tuple[str, type, str]] = {k: (h.name, h.spec_type, h.noun) for k, h in hookspecs.HOOKS.items()}
-
-# First-party names, so a lookup can say which distribution to install when it is missing.
-FIRST_PARTY: dict[str, dict[str, str]] = {
-    "stitch-clip": {"encoders": "clip-vit-base-patch32 clip-tiny", "rollout_payloads": "clip_image"},
-    "stitch-qwen": {
-        "models": "qwen3.5-4b qwen3.6-35b-a3b qwen3.5-tiny qwen3.5-moe-tiny qwen3.5-demo",
-        "token_sentinels": "qwen3.5",
-        "recipes": "qwen3.5-4b qwen3.6-35b-a3b",
-    },
-    "stitch-nemotron": {
-        "models": "nemotron-3-nano-4b nemotron-3.5-lightning-30b-a3b nemotron-nano-tiny nemotron-lightning-tiny",
-        "token_sentinels": "nemotron-h",
-        "recipes": "nemotron-3-nano-4b nemotron-3.5-lightning-30b-a3b",
-    },
-}
+# What a plugin distribution declares it registers, per registry kind, so that a miss can name the distribution
+# to install without importing anything: ``[project.entry-points."stitch.models"] "qwen3.5-4b" = "stitch_qwen"``.
+PROVIDES_GROUP = ENTRY_POINT_GROUP + ".{kind}"
+# A source checkout keeps the first-party plugins' packaging here (read when a plugin is not installed at all).
+CHECKOUT_PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 
 
 class PluginError(RuntimeError):
@@ -84,6 +75,40 @@ class PluginFailure:
     error: str
 
 
+@dataclass(frozen=True)
+class Provider:
+    """A distribution that declares (in its packaging metadata) that it registers a name."""
+
+    distribution: str
+    installed: bool
+
+
+def declared_providers(kind: str, name: str) -> list[Provider]:
+    """The distributions whose metadata declares ``name`` in registry ``kind``: installed ones (entry-point group
+    ``stitch.KIND``), then first-party plugins of a source checkout (``plugins/*/pyproject.toml``)."""
+    group = PROVIDES_GROUP.format(kind=kind)
+    found: dict[str, Provider] = {}
+    for ep in importlib.metadata.entry_points(group=group):
+        if ep.name == name and ep.dist is not None:
+            found.setdefault(ep.dist.name, Provider(ep.dist.name, installed=True))
+    # only in a source checkout (the plugins' packaging beside the core's pyproject), never in site-packages
+    checkout = (CHECKOUT_PLUGINS.parent / "pyproject.toml").is_file()
+    for pyproject in sorted(CHECKOUT_PLUGINS.glob("*/pyproject.toml")) if checkout else []:
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+        dist = project.get("name")
+        if dist and name in project.get("entry-points", {}).get(group, {}) and dist not in found:
+            found[dist] = Provider(dist, installed=_installed(dist))
+    return list(found.values())
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _names_from_env(var: str) -> set[str] | None:
     raw = os.environ.get(var)
     if raw is None:
@@ -99,7 +124,8 @@ class PluginHost:
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
         self.failures: list[PluginFailure] = []
-        self._registries: dict[str, dict[str, Registration]] = {kind: {} for kind in KINDS}
+        self.filtered: list[str] = []  # distributions (or entry points) left out by the env allow/block lists
+        self._registries: dict[str, dict[str, Registration]] = {kind: {} for kind in HOOKS}
 
     # -- loading -----------------------------------------------------------------------------------
     def _add(self, obj: object, info: PluginInfo) -> None:
@@ -110,20 +136,21 @@ class PluginHost:
             self.pm.unregister(name=info.name)
             raise PluginError(
                 f"plugin {info.distribution or info.name!r} implements a hook stitch does not define: {exc}. "
-                f"Known hooks: {', '.join(sorted(h for h, _, _ in KINDS.values()))}"
+                f"Known hooks: {', '.join(sorted(h.name for h in HOOKS.values()))}"
             ) from exc
         info.hooks = [impl_name for impl_name in self._hook_names() if self._implements(info.name, impl_name)]
         self.plugins[info.name] = info
 
     def _hook_names(self) -> list[str]:
-        return [hook for hook, _, _ in KINDS.values()]
+        return [hook.name for hook in HOOKS.values()]
 
     def _implements(self, plugin_name: str, hook: str) -> bool:
         caller = getattr(self.pm.hook, hook)
         return any(impl.plugin_name == plugin_name for impl in caller.get_hookimpls())
 
     def _collect(self) -> None:
-        for kind, (hook, _spec_type, _noun) in KINDS.items():
+        for kind, declared in HOOKS.items():
+            hook = declared.name
             for impl in getattr(self.pm.hook, hook).get_hookimpls():
                 plugin = impl.plugin_name
 
@@ -149,28 +176,29 @@ class PluginHost:
                 del registry[name]
 
     def _register(self, kind: str, spec: Any, plugin: str) -> None:
-        _, spec_type, noun = KINDS[kind]
+        spec_type, noun = HOOKS[kind].spec_type, HOOKS[kind].noun
         if not isinstance(spec, spec_type):
             raise PluginError(
-                f"plugin {self._label(plugin)!r} passed a {type(spec).__name__} to the {noun} registry; "
+                f"plugin {self.label(plugin)!r} passed a {type(spec).__name__} to the {noun} registry; "
                 f"expected a {spec_type.__name__}"
             )
         registry = self._registries[kind]
         if spec.name in registry:
             first = registry[spec.name].plugin
             raise PluginError(
-                f"duplicate {noun} {spec.name!r}: registered by plugin {self._label(first)!r} "
-                f"and again by plugin {self._label(plugin)!r}; disable one with STITCH_DISABLED_PLUGINS"
+                f"duplicate {noun} {spec.name!r}: registered by plugin {self.label(first)!r} "
+                f"and again by plugin {self.label(plugin)!r}; disable one with STITCH_DISABLED_PLUGINS"
             )
         registry[spec.name] = Registration(kind, spec.name, spec, plugin)
 
-    def _label(self, plugin: str) -> str:
+    def label(self, plugin: str) -> str:
+        """A plugin's distribution name where it has one, else its entry-point name."""
         info = self.plugins.get(plugin)
         return (info.distribution or info.name) if info else plugin
 
     # -- queries -----------------------------------------------------------------------------------
     def registrations(self, kind: str | None = None) -> list[Registration]:
-        kinds = [kind] if kind else list(KINDS)
+        kinds = [kind] if kind else list(HOOKS)
         return [reg for k in kinds for reg in self._registries[k].values()]
 
     def names(self, kind: str) -> list[str]:
@@ -181,21 +209,31 @@ class PluginHost:
         registry = self._registries[kind]
         if name in registry:
             return registry[name].spec
-        noun = KINDS[kind][2]
-        message = f"no {noun} named {name!r}."
-        for dist, provided in FIRST_PARTY.items():
-            if name in provided.get(kind, "").split():
-                failed = [f for f in self.failures if (f.distribution or f.name) == dist or f.name == dist]
-                if failed:
-                    message += f" It comes from the plugin {dist!r}, which failed to load: {failed[0].error}"
-                else:
-                    message += (
-                        f" It comes from the plugin {dist!r}, which is not installed or is disabled: "
-                        f"pip install ./plugins/{dist} (from a stitch checkout) or pip install {dist}."
-                    )
-                break
+        message = f"no {HOOKS[kind].noun} named {name!r}."
+        for provider in declared_providers(kind, name):
+            message += " " + self._why_missing(provider)
+            break
         available = ", ".join(self.names(kind)) or "none"
         raise RegistryLookupError(f"{message} Available {kind.replace('_', ' ')}: {available}.")
+
+    def _why_missing(self, provider: Provider) -> str:
+        dist = provider.distribution
+        failed = [f for f in self.failures if dist in (f.distribution, f.name)]
+        if failed:
+            return f"It comes from the plugin {dist!r}, which failed to load: {failed[0].error}"
+        if any(info.distribution == dist for info in self.plugins.values()):
+            return (f"The plugin {dist!r} declares it in its metadata but did not register it: a bug in that "
+                    f"plugin (its entry points and its register_* hooks disagree).")
+        if dist in self.filtered:
+            filters = {var: os.environ[var] for var in ("STITCH_LOAD_PLUGINS", "STITCH_DISABLED_PLUGINS")
+                       if var in os.environ}
+            shown = ", ".join(f"{var}={value!r}" for var, value in filters.items())
+            return f"It comes from the plugin {dist!r}, which is installed but left out by {shown}."
+        if provider.installed:
+            return (f"It comes from the plugin {dist!r}, which is installed but exposes no entry point in the "
+                    f"{ENTRY_POINT_GROUP!r} group: reinstall it.")
+        return (f"It comes from the plugin {dist!r}, which is not installed: pip install ./plugins/{dist} "
+                f"(from a stitch checkout) or pip install {dist}.")
 
     def describe(self, include_builtins: bool = False) -> list[dict[str, Any]]:
         regs = self.registrations()
@@ -230,9 +268,8 @@ def load_plugins(
         dist = ep.dist.name if ep.dist is not None else None
         version = ep.dist.version if ep.dist is not None else None
         names = {ep.name, dist} - {None}
-        if allow is not None and not names & allow:
-            continue
-        if names & deny:
+        if (allow is not None and not names & allow) or names & deny:
+            host.filtered.append(dist or ep.name)
             continue
         if ep.name in host.plugins:
             raise PluginError(f"two plugins use the entry-point name {ep.name!r} (one is {dist!r})")

@@ -62,7 +62,10 @@ class EncoderSpec:
 
     ``load(source, device, dtype)`` returns an object with ``encode(items) -> Tensor[B, tokens, width]``;
     ``decode_item(value)`` turns one raw dataset value (bytes, path, PIL image...) into an item, raising
-    ``ValueError`` on corrupt input. A tiny preset is its own registration whose source has a builder.
+    ``ValueError`` on corrupt input. ``payload`` names the registered rollout payload (``RolloutPayloadSpec``)
+    that carries this encoder's cached features to a rollout engine; GRPO, evaluation and inference build every
+    prompt through it (``stitch.rollout.prompts``). A tiny preset is its own registration whose source has a
+    builder.
     """
 
     name: str
@@ -72,6 +75,7 @@ class EncoderSpec:
     source: ModelSource
     load: Callable[..., Any]
     decode_item: Callable[[Any], Any]
+    payload: str | None = None
     description: str = ""
 
 
@@ -92,7 +96,17 @@ class SentinelSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A base LM binding: how to load it, its LoRA targets (and the exclusions, with reasons), its tiny preset."""
+    """A base LM binding: how to load it, its LoRA targets (and the exclusions, with reasons), its tiny preset.
+
+    Loading (``stitch.model.loading.load_model``): ``load(spec, source, dtype, trust_remote_code)`` when given,
+    else ``from_pretrained`` of the transformers class ``architecture``; a snapshot in another layout goes through
+    the registered state-dict adapter named ``state_dict_adapter`` (resolved by the core, never by the plugin).
+
+    Packing is declared: ``supports_packing`` means packed rows keep samples apart with the stock model
+    (attention only); otherwise ``packing_when()`` says whether this machine can run the plugin's sample-start
+    path, and ``install_sample_starts(model) -> bool``, called by the core on every freshly loaded model,
+    installs it and returns whether it did. ``stitch.model.loading.packs_loaded`` combines the two.
+    """
 
     name: str
     architecture: str  # the transformers class name, e.g. "Qwen3_5ForCausalLM"
@@ -104,34 +118,49 @@ class ModelSpec:
     lora_target_parameters: tuple[str, ...] = ()
     # (ModelSpec, source, dtype, trust_remote_code) -> model; None means the class's from_pretrained
     load: Callable[..., Any] | None = None
-    state_dict_adapter: str | None = None
+    state_dict_adapter: str | None = None  # a StateDictAdapterSpec name
     supports_packing: bool = True
     packing_note: str = ""
-    # packing also holds while this returns True (e.g. kernels that keep sample boundaries are installed)
+    # whether this machine can run the sample-start path (e.g. the varlen kernels are importable)
     packing_when: Callable[[], bool] | None = None
+    # installs the sample-start path on a freshly loaded model; True when it did (the model then trains packed)
+    install_sample_starts: Callable[[Any], bool] | None = None
     # optional fused kernels: import name -> pip package; without them transformers runs PyTorch reference code
     kernels: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
 
     def packs(self) -> bool:
-        """Whether training packs samples for this model on this machine (see ``packing_note`` when not)."""
+        """Whether training can pack samples for this model on this machine (see ``packing_note`` when not);
+        for a loaded model, ``stitch.model.loading.packs_loaded`` is the answer."""
         return self.supports_packing or (self.packing_when is not None and bool(self.packing_when()))
 
 
 @dataclass(frozen=True)
 class StateDictAdapterSpec:
-    """A key mapping between two checkpoint layouts; ``convert`` must refuse keys it cannot place."""
+    """A key mapping between two checkpoint layouts; ``convert`` must refuse keys it cannot place.
+
+    A model names it in ``ModelSpec.state_dict_adapter``; ``load_model`` applies it to every snapshot for which
+    ``applies_to(snapshot_dir)`` is true (None: every snapshot): the weights are read lazily through ``convert``
+    and the model is built from ``convert_config(config, converted_state_dict)`` (None: the snapshot's config).
+    """
 
     name: str
     source_layout: str
     target_layout: str
     convert: Callable[[Mapping[str, Any]], dict[str, Any]]
+    applies_to: Callable[[Path], bool] | None = None
+    convert_config: Callable[[Any, Mapping[str, Any]], Any] | None = None
     description: str = ""
 
 
 @dataclass(frozen=True)
 class RolloutPayloadSpec:
-    """How one modality's rows reach a rollout engine: the fields (declared once), a builder, a validator."""
+    """How one modality's rows reach a rollout engine: the fields (declared once), a builder, a validator.
+
+    ``build(row_id, features, projector)`` returns ``{"row_id", *fields, "soft_tokens": [n, hidden]}``;
+    ``validate(payload)`` raises on a payload whose declared fields are wrong. ``stitch.rollout.prompts``
+    builds every engine prompt through both, validating before any embedding reaches an engine.
+    """
 
     name: str
     modality: str

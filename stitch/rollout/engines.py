@@ -1,5 +1,8 @@
 """Rollout engines: generation from prompt embeddings (projected soft tokens already spliced in).
 
+Callers build those embeddings with ``stitch.rollout.prompts.prompt_embeddings``, through the rollout payload the
+encoder names (built and validated there), so no engine sees raw media, cached features or the encoder.
+
 The embedded engine runs transformers ``generate(inputs_embeds=...)`` on the policy itself, so a refit
 is a no-op; engines that hold their own weights (vLLM) receive merged weights through ``refit``.
 """

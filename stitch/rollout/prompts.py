@@ -1,8 +1,9 @@
 """Prompt embeddings for engines, built through the registered rollout payload of the recipe's encoder.
 
 Every path that hands a prompt to an engine (GRPO rollouts, evaluation, inference, serving) goes through
-``prompt_embeddings``: the payload spec validates the row's cached features and projects them to soft
-tokens before anything reaches an engine; the soft tokens are spliced into the prompt's text embeddings.
+``prompt_embeddings``: the payload spec builds the row's payload from its cached features (projecting them to
+soft tokens), the core checks the declared fields are there and runs the payload's validator, and only then
+are the soft tokens spliced into the prompt's text embeddings. Engines receive nothing else.
 """
 
 from __future__ import annotations
@@ -14,36 +15,59 @@ import torch
 
 from stitch.model.scatter import scatter_soft_tokens
 from stitch.plugins.specs import EncoderSpec, RolloutPayloadSpec
+from stitch.rollout.payloads import PayloadError
 
 
 def payload_for(host: Any, encoder: EncoderSpec) -> RolloutPayloadSpec:
-    """The rollout payload registered for ``encoder``'s modality and shape (``EncoderSpec.payload`` names it
-    when set); a miss names the encoder and the payloads available."""
-    name = getattr(encoder, "payload", None)
-    if name:
-        return host.get("rollout_payloads", name)
-    matches = [reg.spec for reg in host.registrations("rollout_payloads") if reg.spec.modality == encoder.modality]
-    if len(matches) == 1:
-        return matches[0]
-    available = ", ".join(f"{r.name} ({r.spec.modality})" for r in host.registrations("rollout_payloads")) or "none"
-    raise LookupError(
-        f"encoder {encoder.name!r} (modality {encoder.modality!r}) has {len(matches)} matching rollout payloads; "
-        f"set EncoderSpec.payload to one name. Registered: {available}"
-    )
+    """The rollout payload ``encoder`` names (``EncoderSpec.payload``), resolved through ``host``'s registry; an
+    encoder that names none, or a payload of another modality, is refused naming both."""
+    if not encoder.payload:
+        raise LookupError(
+            f"encoder {encoder.name!r} names no rollout payload (EncoderSpec.payload), so its features cannot "
+            f"reach a rollout engine (GRPO, evaluation, inference): register a RolloutPayloadSpec "
+            f"(stitch.api.feature_payload_spec builds one for cached features) and name it in the EncoderSpec"
+        )
+    payload = host.get("rollout_payloads", encoder.payload)
+    if payload.modality != encoder.modality:
+        raise LookupError(f"encoder {encoder.name!r} (modality {encoder.modality!r}) names the rollout payload "
+                          f"{payload.name!r}, which carries modality {payload.modality!r}")
+    return payload
+
+
+def build_payload(payload: RolloutPayloadSpec, row_id: str, features: torch.Tensor,
+                  projector: torch.nn.Module) -> dict[str, Any]:
+    """One row's payload, built by the spec and validated: every declared field present, the spec's validator
+    passed, ``soft_tokens`` a ``[n, hidden]`` tensor. Raises ``PayloadError`` naming the row otherwise."""
+    built = payload.build(row_id, features, projector)
+    missing = [name for name in payload.fields if name not in built]
+    if missing:
+        raise PayloadError(f"row {row_id}: rollout payload {payload.name!r} built no field(s) {missing}; it declares "
+                           f"{list(payload.fields)}")
+    payload.validate(built)
+    soft = built.get("soft_tokens")
+    if not isinstance(soft, torch.Tensor) or soft.dim() != 2:
+        shape = tuple(soft.shape) if isinstance(soft, torch.Tensor) else type(soft).__name__
+        raise PayloadError(f"row {row_id}: rollout payload {payload.name!r} built soft_tokens {shape}; expected a "
+                           f"[tokens, hidden] tensor")
+    return built
 
 
 def prompt_embeddings(payload: RolloutPayloadSpec, model: Any, prompts: Sequence[tuple[str, list[int], torch.Tensor]],
                       zero_features: bool = False) -> list[torch.Tensor]:
     """``[prompt_len, hidden]`` embeddings, one per ``(row_id, token_ids, features)``: text embeddings with the
-    payload's projected soft tokens at the placeholders (``zero_features``: the features zeroed, a control)."""
+    payload's projected soft tokens at the placeholders (``zero_features``: the features zeroed, a control).
+
+    ``model`` is a ``StitchedModel`` (``lm``, ``projector``, ``placeholder_id``, ``device``). Call it under
+    ``torch.no_grad()`` for rollouts; the result is on the model's device in the LM's embedding dtype.
+    """
     out = []
     device = model.device
+    embed_tokens = model.lm.get_input_embeddings()
     for row_id, ids, features in prompts:
         feats = torch.zeros_like(features) if zero_features else features
-        built = payload.build(row_id, feats, model.projector)
-        payload.validate({k: v for k, v in built.items() if k != "soft_tokens"})
+        built = build_payload(payload, row_id, feats, model.projector)
         input_ids = torch.tensor([ids], device=device)
-        embeds = model.lm.get_input_embeddings()(input_ids)
+        embeds = embed_tokens(input_ids)
         soft = built["soft_tokens"].to(device=embeds.device, dtype=embeds.dtype)
         out.append(scatter_soft_tokens(embeds, input_ids, soft, model.placeholder_id, row_ids=[row_id])[0])
     return out

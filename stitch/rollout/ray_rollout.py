@@ -17,7 +17,7 @@ loaded silently as garbage), packed into byte buckets; the names, shapes and dty
 The payload is validated before the broadcast starts (a refused payload raises here and no worker waits on
 a collective), and again by each worker before it touches its engine.
 
-Prompts (already-projected embeddings) are split into contiguous chunks across the replicas; completions,
+Prompts (already-projected embeddings from ``stitch.rollout.prompts.prompt_embeddings``) are split into contiguous chunks across the replicas; completions,
 with the engine's own log-probs, come back in prompt order, so GRPO's policy/engine parity report is unchanged.
 """
 

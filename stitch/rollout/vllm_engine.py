@@ -1,7 +1,8 @@
 """vLLM rollout engine: generation from prompt embeddings on merged weights, refit in place.
 
 The engine runs vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``enable_prompt_embeds``:
-prompts arrive as ``Tensor[L, H]`` (projected soft tokens already spliced into the text embeddings), so it
+prompts arrive as ``Tensor[L, H]`` (projected soft tokens already spliced into the text embeddings by
+``stitch.rollout.prompts.prompt_embeddings``, through the encoder's registered rollout payload), so it
 needs no tokenizer (``skip_tokenizer_init``) and never sees media. Its weights are the policy's with any LoRA
 adapter folded in (:func:`merged_state_dict`, via :mod:`stitch.model.merge`): vLLM holds no adapter object and
 never reads weights from disk — it starts from dummy weights and receives the merged state dict through

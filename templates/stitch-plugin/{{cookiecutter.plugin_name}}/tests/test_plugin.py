@@ -1,5 +1,6 @@
 """{{ cookiecutter.plugin_name }} as stitch sees it: listed by the CLI, encoding to its declared contract,
-refusing corrupt input, and a payload that checks feature shapes. Run with `pytest` after installing."""
+refusing corrupt input, a payload that checks feature shapes, and `stitch run` training the shipped
+demo recipe end to end. Run with `pytest` after installing."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from stitch.plugins.host import load_plugins
+import yaml
+from stitch.api import load_plugins
 
 from {{ cookiecutter.package_name }}.encoder import (
     ENCODER_NAME,
@@ -25,6 +27,7 @@ from {{ cookiecutter.package_name }}.encoder import (
 )
 
 PLUGIN = "{{ cookiecutter.plugin_name }}"
+RECIPE = f"{MODALITY}-demo"
 
 
 def stitch_command() -> list[str]:
@@ -48,24 +51,46 @@ def signal(n: int, seed: int) -> list[float]:
     return np.random.default_rng(seed).normal(size=n).cumsum().tolist()
 
 
+def plain_env() -> dict[str, str]:
+    """This environment without plugin allow/block lists, so stitch loads every installed plugin."""
+    filters = ("STITCH_LOAD_PLUGINS", "STITCH_DISABLED_PLUGINS")
+    return {k: v for k, v in os.environ.items() if k not in filters}
+
+
 def test_stitch_list_plugins_lists_this_plugin_with_its_hooks_and_registrations():
-    env = {k: v for k, v in os.environ.items() if k not in ("STITCH_LOAD_PLUGINS", "STITCH_DISABLED_PLUGINS")}
     out = subprocess.run(
-        [*stitch_command(), "list-plugins", "--json"], capture_output=True, text=True, env=env, timeout=300
+        [*stitch_command(), "list-plugins", "--json"],
+        capture_output=True, text=True, env=plain_env(), timeout=300,
     )
     assert out.returncode == 0, out.stderr
     listing = json.loads(out.stdout)
     assert [f for f in listing["failed"] if f["name"] == PLUGIN] == []
     mine = [p for p in listing["plugins"] if p["name"] == PLUGIN]
     assert len(mine) == 1, f"{PLUGIN} not listed; listed: {[p['name'] for p in listing['plugins']]}"
-    assert mine[0]["hooks"] == ["register_encoders", "register_rollout_payloads"]
-    assert mine[0]["registered"] == {"encoders": [ENCODER_NAME], "rollout_payloads": [MODALITY]}
+    assert mine[0]["hooks"] == ["register_encoders", "register_recipes", "register_rollout_payloads"]
+    assert mine[0]["registered"] == {
+        "encoders": [ENCODER_NAME], "recipes": [RECIPE], "rollout_payloads": [MODALITY]
+    }
 
 
-def test_encoder_spec_declares_the_contract(host):
+def test_packaging_metadata_declares_exactly_what_the_hooks_register(host):
+    """stitch reads these entry points (groups ``stitch.KIND``) to name this plugin when one is missing."""
+    import importlib.metadata
+
+    entry_points = importlib.metadata.distribution(PLUGIN).entry_points
+    declared = {
+        (ep.group.removeprefix("stitch."), ep.name) for ep in entry_points if ep.group.startswith("stitch.")
+    }
+    label = {p["entry_point"] for p in host.describe() if p["name"] == PLUGIN}
+    registered = {(reg.kind, reg.name) for reg in host.registrations() if reg.plugin in label}
+    assert declared == registered
+
+
+def test_encoder_spec_declares_the_contract_and_names_its_registered_payload(host):
     spec = host.get("encoders", ENCODER_NAME)
     declared = (spec.modality, spec.tokens_per_item, spec.feature_width)
     assert declared == (MODALITY, TOKENS_PER_ITEM, FEATURE_WIDTH)
+    assert host.get("rollout_payloads", spec.payload).modality == MODALITY
 
 
 def test_encoder_returns_features_of_the_declared_shape_and_dtype(encoder):
@@ -180,3 +205,37 @@ def test_payload_refuses_features_of_another_shape_naming_the_row(host, features
     assert says in str(err.value)
     with pytest.raises(ValueError, match="no field"):
         payload_spec.validate({"row_id": "row-9"})
+
+
+# -- the shipped demo recipe ----------------------------------------------------------------------------
+
+
+def test_demo_recipe_is_registered_with_its_bundled_data(host):
+    path = Path(host.get("recipes", RECIPE).path)
+    recipe = yaml.safe_load(path.read_text())
+    assert recipe["encoder"] == ENCODER_NAME and recipe["data"]["columns"]["media"] == MODALITY
+    data = path.parent / recipe["data"]["source"]["path"]
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert len(rows) == recipe["data"]["scan_cap"]
+    for row in rows:
+        item = decode_item(data.parent / row[MODALITY])
+        assert item.ndim == 1 and row["answer"].startswith("The answer is ")
+
+
+def test_stitch_run_trains_the_demo_recipe_end_to_end(tmp_path):
+    """`stitch run` on the recipe this plugin ships: prepare (this encoder, once per row), alignment,
+    SFT, GRPO, evaluation and one inference, with stitch-qwen's tiny Qwen3.5 as the base model."""
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [*stitch_command(), "run", RECIPE, "--out", str(out)],
+        capture_output=True, text=True, env=plain_env(), timeout=1200,
+    )
+    tail = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, f"stitch run failed:\n{tail}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["recipe"], summary["encoder"]) == (RECIPE, ENCODER_NAME)
+    assert {"prepare", "alignment", "sft", "grpo"} <= set(summary["stages"])
+    for stage in ("alignment", "sft", "grpo"):
+        assert (out / stage / "checkpoints" / "LATEST").is_file(), stage
+    assert isinstance(summary["inference"]["answer"], str)
+

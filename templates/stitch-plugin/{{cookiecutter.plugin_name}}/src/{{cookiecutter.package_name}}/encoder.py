@@ -244,6 +244,7 @@ ENCODER = EncoderSpec(
     source=SOURCE,
     load=load_encoder,
     decode_item=decode_item,
+    payload=MODALITY,  # the rollout payload registered in __init__.py carries these features to engines
     description=f"reference {MODALITY} encoder (fixed-seed random weights, built locally): "
     f"{TOKENS_PER_ITEM} tokens x {FEATURE_WIDTH} per item",
 )
