@@ -190,7 +190,7 @@ def test_missing_name_of_an_uninstalled_checkout_plugin_says_pip_install_from_it
         '[project]\nname = "stitch-fake-models"\n\n[project.entry-points.stitch]\nfake = "stitch_fake"\n\n'
         '[project.entry-points."stitch.models"]\n"fake-7b" = "stitch_fake"\n'
     )
-    (site / "pyproject.toml").write_text('[project]\nname = "stitch"\n')  # a checkout's root
+    (site / "pyproject.toml").write_text('[project]\nname = "stitch-lm"\n')  # a checkout's root
     monkeypatch.setattr(host_module, "CHECKOUT_PLUGINS", site / "plugins")
     host = load_plugins()
     with pytest.raises(RegistryLookupError) as err:
@@ -284,7 +284,7 @@ def test_cli_list_plugins_json_lists_the_first_party_plugins_with_hooks_and_regi
     for dist in ("stitch-qwen", "stitch-nemotron"):
         assert "register_models" in plugins[dist]["hooks"], dist
         assert plugins[dist]["registered"]["models"], dist
-    assert "stitch" not in plugins  # built-ins only with --all
+    assert "stitch-lm" not in plugins  # built-ins only with --all
 
 
 def test_cli_models_json_says_which_models_pack_on_this_machine_and_why_not():

@@ -106,7 +106,9 @@ def test_prepare_writes_manifest_rows_with_features_text_and_provenance(tmp_path
     # no raw media is retained: only shards and the manifest (plus the report)
     kept = {p.name for p in (tmp_path / "out").iterdir()}
     assert kept == {CACHE_DIRNAME, MANIFEST_NAME, "prepare-report.json"}
-    assert all(p.suffix == ".safetensors" for p in (tmp_path / "out" / CACHE_DIRNAME).iterdir())
+    cached = {p.name for p in (tmp_path / "out" / CACHE_DIRNAME).iterdir()}  # shards and their sha256 sidecars
+    shards = {n for n in cached if n.endswith(".safetensors")}
+    assert shards and cached == shards | {n + ".sha256" for n in shards}
 
 
 @pytest.mark.parametrize("dtype,elt", [("float16", 2), ("float32", 4)])

@@ -261,7 +261,7 @@ def load_plugins(
     from stitch.plugins import builtins
 
     host = PluginHost()
-    host._add(builtins, PluginInfo(BUILTIN_NAME, "stitch", __version__, builtin=True))
+    host._add(builtins, PluginInfo(BUILTIN_NAME, "stitch-lm", __version__, builtin=True))
     allow = _names_from_env("STITCH_LOAD_PLUGINS")
     deny = _names_from_env("STITCH_DISABLED_PLUGINS") or set()
     for ep in _entry_points() if entry_points is None else entry_points:
