@@ -411,8 +411,8 @@ class _Preparation:
             digest = write_shard(path, self.encode(rows, bar), {**self.identity, "items": n_items})
             self.shards_encoded += 1
             self.items_encoded += n_items
-        if name not in self.referenced:
-            self.referenced[name] = path.stat().st_size
+        if name not in self.referenced:  # the shard and its sha256 sidecar are both retained
+            self.referenced[name] = path.stat().st_size + shard_digest_path(path).stat().st_size
         index = 0
         for row in rows:
             keys = tuple(FeatureKey(name, index + j, digest) for j in range(len(row.media)))
