@@ -6,17 +6,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from stitch.config.options import STAGE_OPTIONS, StageOptions
 from stitch.config.recipe import ParallelConfig, Recipe, RecipeError
 
-KNOWN_STAGES = ("alignment", "sft", "grpo", "dpo")
+KNOWN_STAGES = tuple(STAGE_OPTIONS)
+
+
+def _options(recipe: Recipe, stage: str) -> Any:
+    """The stage's typed options (until recipes carry them typed, validated here), errors naming the field."""
+    raw = recipe.stages[stage]
+    if isinstance(raw, StageOptions):
+        return raw
+    from pydantic import ValidationError
+
+    try:
+        return STAGE_OPTIONS[stage].model_validate(raw or {})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        path = ".".join(str(part) for part in ("stages", stage, *err["loc"]))
+        raise RecipeError(f"recipe {recipe.name!r}: field {path!r}: {err['msg']}, got {err.get('input')!r}") from exc
 
 
 def validate_recipe(recipe: Recipe, host: Any = None) -> dict[str, Any]:
     """The parsed options of every stage; raises naming the field at fault."""
     from stitch.plugins.host import get_host
-    from stitch.stages.dpo import DPOOptions
-    from stitch.stages.grpo import GRPOOptions
-    from stitch.stages.supervised import StageOptions
 
     host = host or get_host()
     model = host.get("models", recipe.model)
@@ -29,7 +42,7 @@ def validate_recipe(recipe: Recipe, host: Any = None) -> dict[str, Any]:
     resolved: dict[str, Any] = {}
     for stage in ("alignment", "sft"):
         if stage in recipe.stages:
-            opts = StageOptions.from_recipe(recipe, stage)
+            opts = _options(recipe, stage)
             # a sample holds at least one media block: start + placeholders + end
             floor = encoder.tokens_per_item + 2
             if opts.token_budget < floor:
@@ -38,20 +51,19 @@ def validate_recipe(recipe: Recipe, host: Any = None) -> dict[str, Any]:
                     f"({encoder.tokens_per_item} soft tokens + 2 sentinels), got {opts.token_budget}"
                 )
             resolved[stage] = opts
-    if "grpo" in recipe.stages:
-        resolved["grpo"] = GRPOOptions.from_recipe(recipe)
-    if "dpo" in recipe.stages:
-        resolved["dpo"] = DPOOptions.from_recipe(recipe)
+    for stage in ("grpo", "dpo"):
+        if stage in recipe.stages:
+            resolved[stage] = _options(recipe, stage)
     for stage in ("grpo", "dpo"):
         if stage in recipe.stages and "sft" not in recipe.stages:
             raise RecipeError(f"recipe {recipe.name!r}: stage {stage!r} warm-starts from 'sft', which it lacks")
     if "grpo" in resolved and resolved["grpo"].lora is not None and "sft" in resolved:
         sft_lora, grpo_lora = resolved["sft"].lora, resolved["grpo"].lora
         for key in ("r", "alpha"):
-            if sft_lora.get(key) != grpo_lora.get(key):
+            if getattr(sft_lora, key) != getattr(grpo_lora, key):
                 raise RecipeError(
                     f"recipe {recipe.name!r}: field 'stages.grpo.lora.{key}': the warm start restates SFT's "
-                    f"adapter, expected {sft_lora.get(key)!r}, got {grpo_lora.get(key)!r}"
+                    f"adapter, expected {getattr(sft_lora, key)!r}, got {getattr(grpo_lora, key)!r}"
                 )
     partitions = {p.name for p in recipe.data.partitions}
     for stage, opts in resolved.items():
