@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 from stitch_testing import copy_prepared, write_recipe
 
+from stitch.config.options import LoraOptions
 from stitch.config.recipe import load_recipe
 from stitch.data.packing import PackedStream, collate_packs
-from stitch.stages.supervised import audit_gradients, train_stage
+from stitch.stages.loop import audit_gradients, run_stage
 
 
 def _losses(run: Path, stage: str) -> list[float]:
@@ -68,7 +69,7 @@ def test_resume_without_a_checkpoint_is_refused(prepared, tmp_path):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     copy_prepared(prepared / "run", tmp_path / "run")
     with pytest.raises(FileNotFoundError, match="LATEST"):
-        train_stage(recipe, "alignment", tmp_path / "run", resume=True, progress=False)
+        run_stage(recipe, "alignment", tmp_path / "run", resume=True, progress=False)
 
 
 def _stream(session, budget: int, pack: bool) -> PackedStream:
@@ -97,7 +98,7 @@ def test_packed_batch_loss_equals_unpacked_loss_of_the_same_samples(prepared, tm
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     session = StitchSession.open(recipe, prepared / "run")
-    model = session.build_model(stage="sft", lora={"r": 4, "alpha": 8})
+    model = session.binding.build_model(lora=LoraOptions(r=4, alpha=8))
     torch.manual_seed(1)
     with torch.no_grad():  # a nonzero adapter and projector, so the check covers them
         for p in model.parameters():
@@ -119,7 +120,7 @@ def test_gradient_audit_refuses_a_trainable_lm_weight(prepared, tmp_path):
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     session = StitchSession.open(recipe, prepared / "run")
-    model = session.build_model(stage="alignment")
+    model = session.binding.build_model()
     audit_gradients(model, ("projector",))
     model.lm.get_input_embeddings().weight.requires_grad_(True)
     with pytest.raises(RuntimeError, match="embed_tokens"):
@@ -130,8 +131,8 @@ def test_gradient_audit_refuses_a_trainable_lm_weight(prepared, tmp_path):
 def test_alignment_and_sft_run_on_each_tiny_architecture(prepared, tmp_path, model):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model=model))
     copy_prepared(prepared / "run", tmp_path / "run")
-    align = train_stage(recipe, "alignment", tmp_path / "run", progress=False)
-    sft = train_stage(recipe, "sft", tmp_path / "run", progress=False)
+    align = run_stage(recipe, "alignment", tmp_path / "run", progress=False)
+    sft = run_stage(recipe, "sft", tmp_path / "run", progress=False)
     assert align["trainable_parameters"]["adapter"] == 0 and align["trainable_parameters"]["other"] == 0
     assert sft["trainable_parameters"]["adapter"] > 0 and sft["trainable_parameters"]["other"] == 0
     assert not sft["packed"]  # hybrid layers would leak state across packed samples

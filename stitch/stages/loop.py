@@ -49,6 +49,15 @@ def stage_options(recipe: Any, name: str) -> StageOptions:
         raise RecipeError(f"recipe {recipe.name!r}: field {path!r}: {err['msg']}, got {err.get('input')!r}") from exc
 
 
+def checked_options(recipe: Any, name: str) -> StageOptions:
+    """The stage's options after its own checks (combinations it cannot honour are refused, naming the field)."""
+    from stitch.stages.registry import STAGES
+
+    opts = stage_options(recipe, name)
+    STAGES[name].stage_class()(opts).check(recipe)
+    return opts
+
+
 def lr_lambda(opts: StageOptions) -> Callable[[int], float]:
     """The LR multiplier at a step: linear warmup over ``warmup_steps``, then cosine to 0 at ``steps`` or constant."""
     def scale(step: int) -> float:
@@ -205,9 +214,8 @@ def setup(recipe: Any, name: str, out_dir: Path, cleanup: ExitStack, *, resume: 
     if name not in STAGES:
         raise ValueError(f"unknown stage {name!r}; known: {list(STAGES)}")
     entry = STAGES[name]
-    opts = stage_options(recipe, name)
+    opts = checked_options(recipe, name)
     runner = entry.stage_class()(opts)
-    runner.check(recipe)
     world = launch_world_size()
     if entry.data_parallel:
         from stitch.config.validate import check_launch
