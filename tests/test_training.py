@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from stitch_testing import copy_prepared, write_recipe
+from stitch_testing import cli, copy_prepared, kill_after_checkpoint, write_recipe
 
 from stitch.config.options import LoraOptions
 from stitch.config.recipe import load_recipe
@@ -23,10 +20,6 @@ from stitch.stages.loop import audit_gradients, run_stage
 
 def _losses(run: Path, stage: str) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / stage / "metrics.jsonl").read_text().splitlines()]
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "stitch", *args]
 
 
 def test_sft_killed_midway_resumes_to_identical_losses_and_weights(prepared, tmp_path):
@@ -42,20 +35,12 @@ def test_sft_killed_midway_resumes_to_identical_losses_and_weights(prepared, tmp
         import shutil
 
         shutil.copytree(prepared / "run" / "alignment" / "checkpoints", run / "alignment" / "checkpoints")
-    subprocess.run(_cli("train", "sft", "--recipe", str(recipe_path), "--out", str(straight)), check=True,
+    subprocess.run(cli("train", "sft", "--recipe", str(recipe_path), "--out", str(straight)), check=True,
                    capture_output=True, env=env)
-    proc = subprocess.Popen(_cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    latest = killed / "sft" / "checkpoints" / "LATEST"
-    deadline = time.time() + 240
-    while not (latest.exists() and latest.read_text().strip() == "step_3"):
-        assert proc.poll() is None, "the run ended before its first checkpoint"
-        assert time.time() < deadline
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint(cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed)),
+                          killed / "sft" / "checkpoints", 3, env)
     assert not (killed / "sft" / "checkpoints" / "step_6").exists(), "killed too late to test a resume"
-    subprocess.run(_cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed), "--resume"),
+    subprocess.run(cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed), "--resume"),
                    check=True, capture_output=True, env=env)
     assert _losses(killed, "sft") == _losses(straight, "sft")  # bitwise: same floats, same order
     for part in ("adapter/adapter_model.safetensors", "projector/mm-projector.safetensors"):
