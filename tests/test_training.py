@@ -139,3 +139,27 @@ def test_resume_refuses_a_data_stream_that_would_batch_differently(tmp_path, fie
     with pytest.raises(ValueError, match=f"{field}="):
         resumed.load_state_dict(state)
     PackedStream(manifest, lambda row: None, **options).load_state_dict(state)  # same settings: accepted
+
+
+@pytest.mark.parametrize("argv", [["train", "sft", "--recipe", "R.yaml"], ["prepare", "--recipe", "R.yaml"],
+                                  ["run", "R.yaml"]], ids=["train", "prepare", "run"])
+def test_cli_passes_trailing_key_value_overrides_to_the_recipe_loader(monkeypatch, argv):
+    from typer.testing import CliRunner
+
+    from stitch.cli import app
+
+    calls = []
+
+    class Loaded(Exception):
+        pass
+
+    def fake_load(recipe, **kwargs):
+        calls.append((recipe, kwargs))
+        raise Loaded
+
+    monkeypatch.setattr("stitch.config.recipe.load_recipe", fake_load)
+    result = CliRunner().invoke(app, [*argv, "stages.sft.steps=3", "seed=1"])
+    assert isinstance(result.exception, Loaded), result.output
+    assert calls == [("R.yaml", {"overrides": ["stages.sft.steps=3", "seed=1"]})]
+    CliRunner().invoke(app, argv)  # none given: the loader is called as before the overrides existed
+    assert calls[-1] == ("R.yaml", {})
