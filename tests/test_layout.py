@@ -77,3 +77,36 @@ def test_stitch_imports_have_no_circles():
     assert "stitch.stages.evaluation" in graph["stitch.stages.loop"]  # ... including imports inside functions
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# setup (seed, optimizer, scheduler), resume, progress, log, clip, save, summary
+SKELETON = ("manual_seed", "AdamW", "LambdaLR", "load_step_state", "latest_step_dir", "tqdm", "MetricsLog",
+            "clip_grad_norm", "save_step", "write_text_atomic", "layout.summary(")
+
+
+def test_stage_skeleton_exists_once_in_the_loop():
+    """No stage module sets up, resumes, logs, saves or summarises on its own: only stitch.stages.loop does."""
+    from stitch.stages.registry import STAGES
+
+    modules = {entry.runner.partition(":")[0] for entry in STAGES.values()}
+    loop_text = (ROOT / "stages" / "loop.py").read_text()
+    assert [name for name in SKELETON if name not in loop_text] == []  # the list names what the loop really does
+    for module in sorted(modules):
+        text = (ROOT / Path(*module.split(".")[1:])).with_suffix(".py").read_text()
+        found = [name for name in SKELETON if name in text]
+        assert not found, f"{module} repeats the stage skeleton: {found}"
+
+
+def test_stage_table_is_the_one_list_of_stages():
+    from stitch.config.options import STAGE_OPTIONS
+    from stitch.config.validate import KNOWN_STAGES
+    from stitch.stages.loop import Stage
+    from stitch.stages.registry import STAGES
+
+    assert tuple(STAGES) == KNOWN_STAGES == tuple(STAGE_OPTIONS)
+    order = list(STAGES)
+    for name, entry in STAGES.items():
+        assert issubclass(entry.stage_class(), Stage) and entry.options is STAGE_OPTIONS[name]
+        if entry.warm_start is not None:  # a warm start comes from an earlier stage
+            assert order.index(entry.warm_start) < order.index(name) and entry.warm_parts
+    assert (STAGES["sft"].warm_start, STAGES["grpo"].warm_start, STAGES["dpo"].warm_start) == ("alignment", "sft", "sft")

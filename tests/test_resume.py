@@ -98,12 +98,24 @@ def test_cosine_schedule_decays_the_logged_and_applied_learning_rate(sft_run, tm
     assert optimizer["param_groups"][0]["lr"] == pytest.approx(0.0, abs=1e-12)  # the optimizer follows it
 
 
+class _Resolved:
+    """A recipe that carries its resolved YAML (as typed recipes do): every other attribute is the recipe's."""
+
+    def __init__(self, recipe, text: str) -> None:
+        self._recipe, self.resolved_yaml = recipe, text
+
+    def __getattr__(self, name: str):
+        return getattr(self._recipe, name)
+
+
 @pytest.mark.parametrize("stage", ["grpo", "dpo"])
-def test_checkpoint_records_the_recipe_digest_and_warm_start(sft_run, tmp_path, stage):
+def test_checkpoint_records_the_recipe_digest_and_warm_start_and_the_run_keeps_the_resolved_recipe(
+        sft_run, tmp_path, stage):
     run = tmp_path / "run"
     shutil.copytree(sft_run, run)
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", **{f"stages__{stage}__steps": 1}))
-    summary = run_stage(recipe, stage, run, progress=False)
+    summary = run_stage(_Resolved(recipe, "resolved: yes\n"), stage, run, progress=False)
     state = json.loads((_step_dir(run, stage, 1) / "trainer_state.json").read_text())
     assert recipe.digest and state["recipe_digest"] == recipe.digest
     assert state["warm_start"] == summary["donor"] == str((run / "sft" / "checkpoints" / "step_4").resolve())
+    assert (run / "recipe.yaml").read_text() == "resolved: yes\n"

@@ -84,7 +84,8 @@ def pair_metrics(model: Any, session: Any, pairs: list[dict[str, Any]], referenc
 
 
 class DPOStage(Stage):
-    name = "dpo"
+    """Pairs fixed at build time, drawn in a seeded order; the loss against the frozen SFT reference."""
+
     postfix = ("loss", "margin")
 
     def model_args(self) -> dict[str, Any]:

@@ -104,7 +104,8 @@ def projector_drift(projector: torch.nn.Module, anchor: dict[str, torch.Tensor])
 
 
 class GRPOStage(Stage):
-    name = "grpo"
+    """Rollouts of the live policy, the task's reward, one clipped-surrogate + KL update per ``updates_per_batch``."""
+
     postfix = ("reward", "kl")
 
     def check(self, recipe: Any) -> None:

@@ -97,7 +97,6 @@ def audit_gradients(model: Any, allowed: tuple[str, ...]) -> None:
 class Stage:
     """What one stage supplies to the loop. ``opts`` is its typed options; the loop owns everything else."""
 
-    name: ClassVar[str]
     postfix: ClassVar[tuple[str, ...]] = ("loss",)  # record fields shown on the progress bar
 
     def __init__(self, opts: Any) -> None:

@@ -22,7 +22,6 @@ log = logging.getLogger("stitch")
 class AlignmentStage(Stage):
     """Projector only; the LM is frozen."""
 
-    name = "alignment"
     postfix = ("loss", "pack_fill")
 
     def build(self, ctx: StageContext) -> None:
@@ -74,8 +73,6 @@ class AlignmentStage(Stage):
 
 class SFTStage(AlignmentStage):
     """Projector (warm-started from alignment) + a new LoRA adapter."""
-
-    name = "sft"
 
     def model_args(self) -> dict[str, Any]:
         return {"lora": self.opts.lora, "train_projector": self.opts.train_projector}
