@@ -239,3 +239,59 @@ def test_engines_never_sample_media_sentinels_and_score_the_masked_distribution(
     for completion in engine.generate([prompt], 8, 6, temperature=1.0):
         assert not set(completion.token_ids) & set(sentinels)
         assert all(lp > float("-inf") for lp in completion.logprobs)
+
+
+def _row(row_id: str, answer: str, **extra: str):
+    from stitch.data.feature_cache import ManifestRow
+
+    messages = ({"role": "user", "content": "What is it?"}, {"role": "assistant", "content": answer})
+    return ManifestRow(row_id, "train", messages, (), 49, 768, "float16", {}, extra)
+
+
+def test_dpo_pairs_come_from_the_task_generator_else_the_rejected_column_and_rows_with_neither_are_skipped():
+    import random
+
+    from stitch.plugins.specs import TaskSpec
+    from stitch.stages.dpo import preference_pairs
+
+    rows = [_row("a", "red", rejected="blue"), _row("b", "green"), _row("c", "teal", rejected="cyan")]
+    column_task = TaskSpec(name="colour", reward=lambda text, row: 0.0)  # no generator: the dataset's column
+    pairs, skipped = preference_pairs(column_task, rows, random.Random(0), "train")
+    assert [(p["row"].id, p["chosen"], p["rejected"]) for p in pairs] == [("a", "red", "blue"), ("c", "teal", "cyan")]
+    assert skipped == 1
+    generated = TaskSpec(name="shout", reward=lambda text, row: 0.0,
+                         rejected=lambda row, rng: None if row.id == "c" else row.answer.upper())
+    pairs, skipped = preference_pairs(generated, rows, random.Random(0), "train")
+    assert [(p["row"].id, p["rejected"]) for p in pairs] == [("a", "RED"), ("b", "GREEN")] and skipped == 1
+
+
+def test_dpo_without_any_pair_is_refused_naming_the_partition_and_the_missing_source():
+    import random
+
+    from stitch.plugins.specs import TaskSpec
+    from stitch.stages.dpo import preference_pairs
+
+    task = TaskSpec(name="colour", reward=lambda text, row: 0.0)
+    with pytest.raises(ValueError, match=r"partition 'train' yields no preference pairs: task 'colour' has no "
+                                         r"rejected-answer generator and no row has a 'rejected' column"):
+        preference_pairs(task, [_row("a", "red"), _row("b", "green")], random.Random(0), "train")
+
+
+def test_grpo_rewards_with_the_recipe_task_on_the_rows_it_accepts(sft_run, tmp_path, monkeypatch):
+    from stitch.plugins.specs import TaskSpec
+
+    run = _clone(sft_run, tmp_path)
+    seen = []
+    first = next(iter(json.loads(line)["id"] for line in (run / "data" / "manifest.jsonl").read_text().splitlines()
+                      if json.loads(line)["partition"] == "grpo"))
+
+    def reward(completion: str, row) -> float:
+        seen.append(row.id)
+        return 0.25
+
+    task = TaskSpec(name="quarter", reward=reward, accepts=lambda row: row.id == first)
+    monkeypatch.setattr("stitch.tasks.resolve_task", lambda recipe, host=None: task)
+    summary = run_stage(load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__steps=1)), "grpo", run,
+                        progress=False)
+    assert summary["task"] == "quarter" and summary["reward_end"] == 0.25
+    assert seen and set(seen) == {first}  # every prompt drawn from the accepted rows, every completion rewarded

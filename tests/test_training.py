@@ -163,3 +163,16 @@ def test_cli_passes_trailing_key_value_overrides_to_the_recipe_loader(monkeypatc
     assert calls == [("R.yaml", {"overrides": ["stages.sft.steps=3", "seed=1"]})]
     CliRunner().invoke(app, argv)  # none given: the loader is called as before the overrides existed
     assert calls[-1] == ("R.yaml", {})
+
+
+def test_stage_options_are_typed_coerced_and_refused_by_field_path(tmp_path):
+    from stitch.config.options import GRPOOptions
+    from stitch.config.recipe import RecipeError
+    from stitch.stages.loop import stage_options
+
+    recipe = load_recipe(write_recipe(tmp_path / "ok.yaml", stages__grpo__lr_adapter="1e-4"))
+    opts = stage_options(recipe, "grpo")
+    assert isinstance(opts, GRPOOptions) and opts.lr_adapter == 1e-4  # YAML's "1e-4" string is a float
+    assert stage_options(recipe, "grpo") == opts and stage_options(recipe, "sft").lora.r == 16
+    with pytest.raises(RecipeError, match=r"'stages\.sft\.lora\.rank'"):  # at load once recipes are typed
+        stage_options(load_recipe(write_recipe(tmp_path / "bad.yaml", stages__sft__lora={"rank": 8})), "sft")
