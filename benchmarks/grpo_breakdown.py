@@ -21,7 +21,7 @@ those the warm-up steps already met (on the GPU the first use of a new length co
 Modes (same model, same prompts, sampling seed, rewards and starting adapter; the adapter and AdamW state
 are reset between modes):
 
-* ``stitch``    features from the cache, as ``_train_grpo`` runs.
+* ``stitch``    features from the cache, as ``GRPOStage.step`` runs.
 * ``baseline``  encoder in the loop (TRL / EasyR1 style): the frozen bf16 CLIP ViT-B/32 tower (sdpa, real
                 config, random init) runs on raw pixels for every forward that needs the image: once on the
                 prompts before the rollout, then on the batch's rows inside the old-log-prob, reference and
@@ -354,7 +354,7 @@ def main() -> None:
     model, ids, info = build_policy(args, host, device)
     info["build_s"] = round(time.perf_counter() - t0, 1)
     log(json.dumps(info))
-    # the warm start: frozen copies substituted for the reference forward, as _train_grpo keeps them
+    # the warm start: frozen copies substituted for the reference forward, as GRPOStage.build keeps them
     reference = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     anchor = {n: p.detach().clone() for n, p in model.projector.named_parameters()}
     prompts, pixels = make_samples(
