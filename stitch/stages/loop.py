@@ -22,7 +22,9 @@ import torch
 
 from stitch.config.options import STAGE_OPTIONS, StageOptions
 from stitch.config.recipe import RecipeError
+from stitch.model.binding import ModelBinding
 from stitch.runs.checkpoint import latest_step_dir, load_step_state, save_step, write_text_atomic
+from stitch.runs.layout import RunLayout
 from stitch.runs.metrics import MetricsLog, peak_memory_bytes
 from stitch.stages.distributed import DataParallel, launch_world_size
 from stitch.stages.session import StitchSession
@@ -155,11 +157,11 @@ class StageContext:
     t_start: float = 0.0
 
     @property
-    def layout(self) -> Any:
+    def layout(self) -> RunLayout:
         return self.session.layout
 
     @property
-    def binding(self) -> Any:
+    def binding(self) -> ModelBinding:
         return self.session.binding
 
     @property
