@@ -2,11 +2,11 @@
 log-probs, train, refit) and rollout tokens/s, stitch against an encoder-in-the-loop baseline measured in
 the same run (issue 7, part 3).
 
-One step runs ``stitch.stages.grpo._train_grpo``'s parts through the same functions: prompt embeddings from
+One step runs ``stitch.stages.grpo.GRPOStage.step``'s parts through the same functions: prompt embeddings from
 ``StitchedModel.embed`` -> ``EmbeddedEngine.generate`` (``--prompts`` x ``--group`` sampled completions,
 sentinel ids suppressed) -> ``group_advantages`` -> ``micro_batches`` -> ``score_rollouts`` (old and reference
 log-probs, the reference through ``params=`` substitution of frozen copies of the trainable parameters and the
-projector anchor) and ``engine_parity`` -> ``policy_update`` (clipped surrogate + k3 KL, grad clipping, AdamW;
+projector anchor) and ``engine_parity`` -> ``policy_gradients`` (clipped surrogate + k3 KL) + grad clipping + AdamW (
 ``GRPOOptions`` defaults: adapter lr 1e-4, clip 0.2, beta 0.04, one update per batch, adapter only, one
 micro-batch) -> ``engine.refit(None)`` (a no-op for the embedded engine; timed anyway). The LM, LoRA (r=16,
 alpha 32 on the ModelSpec's targets) and ``mlp2x_gelu`` projector come from ``sft_throughput.build_stitched``;
@@ -21,7 +21,7 @@ those the warm-up steps already met (on the GPU the first use of a new length co
 Modes (same model, same prompts, sampling seed, rewards and starting adapter; the adapter and AdamW state
 are reset between modes):
 
-* ``stitch``    features from the cache, as ``_train_grpo`` runs.
+* ``stitch``    features from the cache, as ``GRPOStage.step`` runs.
 * ``baseline``  encoder in the loop (TRL / EasyR1 style): the frozen bf16 CLIP ViT-B/32 tower (sdpa, real
                 config, random init) runs on raw pixels for every forward that needs the image: once on the
                 prompts before the rollout, then on the batch's rows inside the old-log-prob, reference and
@@ -87,10 +87,10 @@ def run_mode(
         engine_parity,
         group_advantages,
         micro_batches,
-        policy_update,
+        policy_gradients,
         score_rollouts,
     )
-    from stitch.stages.supervised import audit_gradients
+    from stitch.stages.loop import audit_gradients
 
     with torch.no_grad():  # every mode starts from the same adapter (the warm start = the KL reference)
         for n, p in model.named_parameters():
@@ -170,8 +170,13 @@ def run_mode(
         lap("logprobs")
         part["name"] = "train"
         for _ in range(opts.updates_per_batch):
-            loss, kl = policy_update(model, optimizer, groups, allowed, chunks, batches, old_lp, ref_lp, adv, mask,
-                                     opts, sentinels, prepare=fed)
+            loss, kl = policy_gradients(model, chunks, batches, old_lp, ref_lp, adv, mask, opts, sentinels,
+                                        prepare=fed)
+            # what the stage loop's update does: audit, clip to grad_clip, step
+            audit_gradients(model, allowed)
+            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], opts.grad_clip or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         lap("train")
         engine.refit(None)
         lap("refit")
@@ -255,7 +260,7 @@ def summarize(info: dict, opts, modes: dict, args) -> dict:
     seqs = opts.prompts_per_step * opts.group_size
     out = {
         "model": info,
-        "grpo_options": dataclasses.asdict(opts),
+        "grpo_options": opts.model_dump(),
         "rewards": "random 0/1 from a seeded torch.Generator (random-init weights: no verifiable reward); "
         "the same draws in both modes",
         "engine": "stitch.rollout.engines.EmbeddedEngine (transformers generate on the live policy)",
@@ -307,7 +312,7 @@ def print_table(out: dict) -> None:
 
 
 def main() -> None:
-    from stitch.stages.grpo import GRPOOptions
+    from stitch.config.options import GRPOOptions
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="dense4b", choices=("dense4b", "qwen35_4b", "nemotron4b"))
@@ -349,7 +354,7 @@ def main() -> None:
     model, ids, info = build_policy(args, host, device)
     info["build_s"] = round(time.perf_counter() - t0, 1)
     log(json.dumps(info))
-    # the warm start: frozen copies substituted for the reference forward, as _train_grpo keeps them
+    # the warm start: frozen copies substituted for the reference forward, as GRPOStage.build keeps them
     reference = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     anchor = {n: p.detach().clone() for n, p in model.projector.named_parameters()}
     prompts, pixels = make_samples(

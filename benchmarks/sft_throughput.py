@@ -5,8 +5,8 @@ Every mode runs stitch's own code path: ``StitchedModel.loss`` (embed -> project
 next-token CE), ``collate_packs``, ``PackedStream`` (next-fit packing over a bounded shuffle buffer, position
 ids reset per sample, ``attention_mask=None`` -> block-causal), the projector from the ``projectors`` registry
 (``mlp2x_gelu``) and LoRA r=16 / alpha 32 on the model plugin's ``lora_target_modules`` (as
-``StitchSession.build_model`` does). One training step = collate + fwd + bwd + grad clip + AdamW step
-(projector lr 1e-3, adapter lr 3e-3, as ``stitch.stages.supervised``). Weights are random-init, built in code from
+``ModelBinding.build_model`` does). One training step = collate + fwd + bwd + grad clip + AdamW step
+(projector lr 1e-3, adapter lr 3e-3, as ``stitch.stages.supervised`` via the stage loop). Weights are random-init, built in code from
 the full-size configs (speed does not depend on values; nothing is downloaded).
 
 Modes (same pool of samples: 49 image tokens between start/end sentinels + 30-300 text tokens, lengths

@@ -36,12 +36,12 @@ def prepared(tmp_path_factory, stitch_cache):
 
     from stitch.config.recipe import load_recipe
     from stitch.data.prepare import prepare
-    from stitch.stages.supervised import train_stage
+    from stitch.stages.loop import run_stage
 
     root = tmp_path_factory.mktemp("prepared")
     recipe = load_recipe(write_recipe(root / "small.yaml"))
     prepare(recipe, root / "run" / "data", progress=False)
-    train_stage(recipe, "alignment", root / "run", progress=False)
+    run_stage(recipe, "alignment", root / "run", progress=False)
     return root
 
 
@@ -53,10 +53,10 @@ def sft_run(prepared, tmp_path_factory):
     from stitch_testing import write_recipe
 
     from stitch.config.recipe import load_recipe
-    from stitch.stages.supervised import train_stage
+    from stitch.stages.loop import run_stage
 
     root = tmp_path_factory.mktemp("sft-run")
     shutil.copytree(prepared / "run", root / "run")
     recipe = load_recipe(write_recipe(root / "small.yaml", stages__sft__steps=4))
-    train_stage(recipe, "sft", root / "run", progress=False)
+    run_stage(recipe, "sft", root / "run", progress=False)
     return root / "run"

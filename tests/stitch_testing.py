@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import copy
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +54,24 @@ def write_recipe(path: Path, **overrides: Any) -> Path:
 
 def copy_prepared(src_run: Path, dst_run: Path) -> None:
     shutil.copytree(src_run / "data", dst_run / "data")
+
+
+def cli(*args: str) -> list[str]:
+    """``python -m stitch ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "stitch", *args]
+
+
+def kill_after_checkpoint(args: list[str], checkpoints: Path, step: int, env: dict[str, str],
+                          timeout_s: float = 240) -> None:
+    """Start ``args``, SIGKILL it as soon as ``checkpoints/LATEST`` names ``step_<step>``; fail when it ends first."""
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    latest = checkpoints / "LATEST"
+    deadline = time.time() + timeout_s
+    try:
+        while not (latest.exists() and latest.read_text().strip() == f"step_{step}"):
+            assert proc.poll() is None, "the run ended before the checkpoint to kill after"
+            assert time.time() < deadline, f"no checkpoint step_{step} after {timeout_s} s"
+            time.sleep(0.01)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -18,7 +18,7 @@ from stitch_testing import copy_prepared, write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.config.validate import check_launch, validate_recipe
-from stitch.stages.supervised import StageOptions, train_stage
+from stitch.stages.loop import run_stage, stage_options
 
 REL = 1e-5  # one process vs two on the same global batch: fp32 summation order only
 
@@ -56,11 +56,11 @@ SCRIPT = """
 import sys
 from pathlib import Path
 from stitch.config.recipe import load_recipe
-from stitch.stages.supervised import train_stage
+from stitch.stages.loop import run_stage
 
 recipe = load_recipe(sys.argv[1])
-train_stage(recipe, "alignment", Path(sys.argv[2]), progress=False)
-train_stage(recipe, "sft", Path(sys.argv[3]), max_steps=2, progress=False)
+run_stage(recipe, "alignment", Path(sys.argv[2]), progress=False)
+run_stage(recipe, "sft", Path(sys.argv[3]), max_steps=2, progress=False)
 """
 
 
@@ -72,7 +72,7 @@ def test_two_processes_match_one_and_checkpoints_resume_across_world_sizes(prepa
 
     # one process: the reference curve, 4 SFT steps (checkpoints at 2 and 4)
     ref = _with_alignment(prepared, tmp_path / "ref")
-    train_stage(recipe, "sft", ref, progress=False)
+    run_stage(recipe, "sft", ref, progress=False)
     want = _metrics(ref, "sft")
 
     # two processes, fresh: alignment (vs the fixture's one-process alignment), then SFT steps 1-2
@@ -99,7 +99,7 @@ def test_two_processes_match_one_and_checkpoints_resume_across_world_sizes(prepa
     }
 
     # 2 -> 1: the two-process step_2 resumes in one process and continues the reference curve
-    train_stage(recipe, "sft", sft2, resume=True, progress=False)
+    run_stage(recipe, "sft", sft2, resume=True, progress=False)
     _assert_losses_match(_metrics(sft2, "sft"), want)
 
     # 1 -> 2: the reference's step_2 resumes under torchrun through the CLI
@@ -173,11 +173,11 @@ def test_launch_whose_world_size_differs_from_the_recipe_is_refused_before_any_w
     # no prepared data under tmp_path/run: the refusal comes first
     with pytest.raises(RecipeError, match=r"parallel\.world_size=2, but this launch has WORLD_SIZE=1; start it "
                                           r"with `torchrun --nproc-per-node 2 -m stitch train sft"):
-        train_stage(recipe, "sft", tmp_path / "run", progress=False)
+        run_stage(recipe, "sft", tmp_path / "run", progress=False)
 
 
 def test_launch_world_size_that_does_not_divide_the_batch_is_refused(tmp_path):
     recipe = _recipe(tmp_path)
     with pytest.raises(RecipeError, match=r"stages\.sft\.batch_size=2 packs is not divisible by WORLD_SIZE=4 "
                                           r"\(2 % 4 = 2\)"):
-        check_launch(recipe, "sft", StageOptions.from_recipe(recipe, "sft"), 4)
+        check_launch(recipe, "sft", stage_options(recipe, "sft"), 4)

@@ -20,7 +20,7 @@ from stitch.rollout.ray_rollout import (
     plan_buckets,
     receive_state_dict,
 )
-from stitch.stages.grpo import train_grpo
+from stitch.stages.loop import run_stage
 
 RAY_MISSING = "ray is not installed (a test dependency: ray==2.60.0); the Ray-placed GRPO tests need a local cluster"
 
@@ -86,7 +86,7 @@ def test_ray_worker_greedy_tokens_equal_the_colocated_engine_on_merged_weights_b
     from stitch.stages.session import StitchSession
 
     session = StitchSession.open(load_recipe(write_recipe(sft_run.parent / "ray.yaml")), sft_run)
-    model = session.build_model(stage="grpo", adapter_from=_donor(sft_run) / "adapter",
+    model = session.binding.build_model(adapter_from=_donor(sft_run) / "adapter",
                                 projector_from=_donor(sft_run) / "projector")
     sentinels = list(session.sentinel_ids.as_dict().values())
     eos = session.tokenizer.eos_token_id
@@ -143,7 +143,7 @@ def test_grpo_with_ray_placed_rollouts_keeps_parity_and_writes_checkpoints_and_m
         shutil.copytree(sft_run, run)
         recipe = load_recipe(write_recipe(tmp_path / f"{placement}.yaml", stages__grpo__steps=3,
                                           stages__grpo__placement=placement, parallel={"rollout_replicas": 1}))
-        runs[placement] = (run, train_grpo(recipe, run, progress=False))
+        runs[placement] = (run, run_stage(recipe, "grpo", run, progress=False))
     (run, summary), (local_run, local) = runs["ray"], runs["colocated"]
     assert summary["placement"] == "ray" and local["placement"] == "colocated"
     assert summary["steps"] == local["steps"] == 3
@@ -172,5 +172,5 @@ def test_grpo_with_ray_placed_rollouts_closes_its_workers_when_a_step_fails(sft_
 
     monkeypatch.setattr("stitch.stages.grpo.group_advantages", boom)
     with pytest.raises(RuntimeError, match="exploded"):
-        train_grpo(recipe, run, progress=False)
+        run_stage(recipe, "grpo", run, progress=False)
     assert _placement_groups_left() == []

@@ -15,8 +15,9 @@ from stitch_testing import write_recipe
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.model.provenance import ProvenanceError
 from stitch.model.scatter import PlaceholderCountError
-from stitch.stages.dpo import branch_sample, train_dpo
-from stitch.stages.grpo import GRPOOptions, group_advantages, reward, train_grpo
+from stitch.stages.dpo import branch_sample
+from stitch.stages.grpo import group_advantages
+from stitch.stages.loop import checked_options, run_stage
 
 
 def _clone(sft_run: Path, dst: Path) -> Path:
@@ -28,10 +29,15 @@ def _donor(run: Path) -> Path:
     return run / "sft" / "checkpoints" / (run / "sft" / "checkpoints" / "LATEST").read_text().strip()
 
 
-def test_reward_grades_the_first_integer_after_the_answer_phrase():
-    assert reward("The answer is 3.", "The answer is 3.") == 1.0
-    assert reward("The answer is 4. The answer is 3.", "The answer is 3.") == 0.0
-    assert reward("3", "The answer is 3.") == 0.0
+def test_counting_task_reward_grades_the_first_integer_after_the_answer_phrase(tmp_path):
+    from stitch.plugins.specs import TaskRow
+    from stitch.tasks import resolve_task
+
+    task = resolve_task(load_recipe(write_recipe(tmp_path / "r.yaml")))  # what GRPO rewards the demo with
+    row = TaskRow("r0", "How many?", "The answer is 3.", {})
+    assert task.reward("The answer is 3.", row) == 1.0
+    assert task.reward("The answer is 4. The answer is 3.", row) == 0.0
+    assert task.reward("3", row) == 0.0
 
 
 def test_group_advantages_are_normalised_within_each_group():
@@ -41,10 +47,10 @@ def test_group_advantages_are_normalised_within_each_group():
 
 
 def test_trainable_projector_variant_refuses_a_non_constant_schedule_at_construction(tmp_path):
-    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__train_projector=True,
-                                      stages__grpo__schedule="cosine"))
     with pytest.raises(RecipeError, match="constant"):
-        GRPOOptions.from_recipe(recipe)
+        recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__train_projector=True,
+                                          stages__grpo__schedule="cosine"))
+        checked_options(recipe, "grpo")
 
 
 GATE_EDITS = {
@@ -71,12 +77,12 @@ def test_provenance_gate_refuses_each_mismatched_field_before_any_model_load(sft
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the provenance gate refused")
 
-    monkeypatch.setattr("stitch.stages.session.load_model", no_load)
+    monkeypatch.setattr("stitch.model.binding.load_model", no_load)
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     with pytest.raises(ProvenanceError, match=f"field '{field}'"):
-        train_grpo(recipe, run, progress=False)
+        run_stage(recipe, "grpo", run, progress=False)
     with pytest.raises(ProvenanceError, match=f"field '{field}'"):
-        train_dpo(recipe, run, progress=False)
+        run_stage(recipe, "dpo", run, progress=False)
 
 
 def test_grpo_trainable_projector_logs_drift_before_every_update_and_trains_only_adapter_and_projector(
@@ -84,7 +90,7 @@ def test_grpo_trainable_projector_logs_drift_before_every_update_and_trains_only
     run = _clone(sft_run, tmp_path)
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__train_projector=True,
                                       stages__grpo__steps=3, stages__grpo__lr_projector=1e-2))
-    summary = train_grpo(recipe, run, progress=False)
+    summary = run_stage(recipe, "grpo", run, progress=False)
     drift = [json.loads(line)["projector_drift"] for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert drift[0] == 0.0 and drift[-1] > 0.0  # logged before each update: the first sees the warm start
     assert summary["trainable_parameters"]["projector"] > 0 and summary["trainable_parameters"]["other"] == 0
@@ -93,7 +99,7 @@ def test_grpo_trainable_projector_logs_drift_before_every_update_and_trains_only
 
 def test_grpo_default_keeps_the_projector_frozen(sft_run, tmp_path):
     run = _clone(sft_run, tmp_path)
-    summary = train_grpo(load_recipe(write_recipe(tmp_path / "r.yaml")), run, progress=False)
+    summary = run_stage(load_recipe(write_recipe(tmp_path / "r.yaml")), "grpo", run, progress=False)
     assert summary["trainable_parameters"] == {"projector": 0, "adapter": summary["trainable_parameters"]["adapter"],
                                                "other": 0}
     from safetensors.torch import load_file
@@ -113,7 +119,7 @@ def test_grpo_micro_batches_accumulate_to_the_same_update_as_one_batch(sft_run, 
                                           stages__grpo__prompts_per_step=4, stages__grpo__group_size=4,
                                           stages__grpo__temperature=1.5, stages__grpo__micro_batch_size=size,
                                           stages__grpo__lr_adapter=1e-2))
-        summary = train_grpo(recipe, run, progress=False)
+        summary = run_stage(recipe, "grpo", run, progress=False)
         metrics = json.loads((run / "grpo" / "metrics.jsonl").read_text().splitlines()[0])
         # AdamW's first moment after one step is 0.1 x the (clipped) gradient: compare that, not the weights (a
         # first Adam step moves every weight by ~lr x sign(grad), so 1e-9 gradient noise can flip a weight by 2 lr)
@@ -129,9 +135,9 @@ def test_grpo_micro_batches_accumulate_to_the_same_update_as_one_batch(sft_run, 
 
 
 def test_grpo_micro_batch_size_must_be_positive(tmp_path):
-    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__micro_batch_size=0))
     with pytest.raises(RecipeError, match="stages.grpo.micro_batch_size"):
-        GRPOOptions.from_recipe(recipe)
+        recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__micro_batch_size=0))
+        checked_options(recipe, "grpo")
 
 
 def test_dpo_loss_falls_and_margin_grows_on_the_default_pairs(sft_run, tmp_path):
@@ -140,7 +146,7 @@ def test_dpo_loss_falls_and_margin_grows_on_the_default_pairs(sft_run, tmp_path)
     # (see the closing note of this change); at 16 it falls by 0.036 and 0.055 on the two
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__dpo__steps=16, stages__dpo__pairs_per_step=4,
                                       stages__dpo__lr_adapter=2e-3))
-    summary = train_dpo(recipe, run, progress=False)
+    summary = run_stage(recipe, "dpo", run, progress=False)
     assert summary["probe_loss_start"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at the start
     assert summary["probe_margin_start"] == pytest.approx(0.0, abs=1e-4)
     assert summary["probe_loss_end"] < summary["probe_loss_start"] - 0.01
@@ -215,8 +221,8 @@ def test_engines_never_sample_media_sentinels_and_score_the_masked_distribution(
 
     recipe = load_recipe(write_recipe(sft_run.parent / "gate.yaml"))
     session = StitchSession.open(recipe, sft_run)
-    model = session.build_model(stage="grpo", adapter_from=_donor(sft_run) / "adapter",
-                                projector_from=_donor(sft_run) / "projector")
+    model = session.binding.build_model(adapter_from=_donor(sft_run) / "adapter",
+                                        projector_from=_donor(sft_run) / "projector")
     placeholder = session.sentinel_ids.placeholder
     with torch.no_grad():  # make the placeholder the model's favourite next token
         model.lm.get_output_embeddings().weight[placeholder] *= 0
@@ -233,3 +239,59 @@ def test_engines_never_sample_media_sentinels_and_score_the_masked_distribution(
     for completion in engine.generate([prompt], 8, 6, temperature=1.0):
         assert not set(completion.token_ids) & set(sentinels)
         assert all(lp > float("-inf") for lp in completion.logprobs)
+
+
+def _row(row_id: str, answer: str, **extra: str):
+    from stitch.data.feature_cache import ManifestRow
+
+    messages = ({"role": "user", "content": "What is it?"}, {"role": "assistant", "content": answer})
+    return ManifestRow(row_id, "train", messages, (), 49, 768, "float16", {}, extra)
+
+
+def test_dpo_pairs_come_from_the_task_generator_else_the_rejected_column_and_rows_with_neither_are_skipped():
+    import random
+
+    from stitch.plugins.specs import TaskSpec
+    from stitch.stages.dpo import preference_pairs
+
+    rows = [_row("a", "red", rejected="blue"), _row("b", "green"), _row("c", "teal", rejected="cyan")]
+    column_task = TaskSpec(name="colour", reward=lambda text, row: 0.0)  # no generator: the dataset's column
+    pairs, skipped = preference_pairs(column_task, rows, random.Random(0), "train")
+    assert [(p["row"].id, p["chosen"], p["rejected"]) for p in pairs] == [("a", "red", "blue"), ("c", "teal", "cyan")]
+    assert skipped == 1
+    generated = TaskSpec(name="shout", reward=lambda text, row: 0.0,
+                         rejected=lambda row, rng: None if row.id == "c" else row.answer.upper())
+    pairs, skipped = preference_pairs(generated, rows, random.Random(0), "train")
+    assert [(p["row"].id, p["rejected"]) for p in pairs] == [("a", "RED"), ("b", "GREEN")] and skipped == 1
+
+
+def test_dpo_without_any_pair_is_refused_naming_the_partition_and_the_missing_source():
+    import random
+
+    from stitch.plugins.specs import TaskSpec
+    from stitch.stages.dpo import preference_pairs
+
+    task = TaskSpec(name="colour", reward=lambda text, row: 0.0)
+    with pytest.raises(ValueError, match=r"partition 'train' yields no preference pairs: task 'colour' has no "
+                                         r"rejected-answer generator and no row has a 'rejected' column"):
+        preference_pairs(task, [_row("a", "red"), _row("b", "green")], random.Random(0), "train")
+
+
+def test_grpo_rewards_with_the_recipe_task_on_the_rows_it_accepts(sft_run, tmp_path, monkeypatch):
+    from stitch.plugins.specs import TaskSpec
+
+    run = _clone(sft_run, tmp_path)
+    seen = []
+    first = next(iter(json.loads(line)["id"] for line in (run / "data" / "manifest.jsonl").read_text().splitlines()
+                      if json.loads(line)["partition"] == "grpo"))
+
+    def reward(completion: str, row) -> float:
+        seen.append(row.id)
+        return 0.25
+
+    task = TaskSpec(name="quarter", reward=reward, accepts=lambda row: row.id == first)
+    monkeypatch.setattr("stitch.tasks.resolve_task", lambda recipe, host=None: task)
+    summary = run_stage(load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__steps=1)), "grpo", run,
+                        progress=False)
+    assert summary["task"] == "quarter" and summary["reward_end"] == 0.25
+    assert seen and set(seen) == {first}  # every prompt drawn from the accepted rows, every completion rewarded

@@ -4,28 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from stitch_testing import copy_prepared, write_recipe
+from stitch_testing import cli, copy_prepared, kill_after_checkpoint, write_recipe
 
+from stitch.config.options import LoraOptions
 from stitch.config.recipe import load_recipe
 from stitch.data.packing import PackedStream, collate_packs
-from stitch.stages.supervised import audit_gradients, train_stage
+from stitch.stages.loop import audit_gradients, run_stage
 
 
 def _losses(run: Path, stage: str) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / stage / "metrics.jsonl").read_text().splitlines()]
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "stitch", *args]
 
 
 def test_sft_killed_midway_resumes_to_identical_losses_and_weights(prepared, tmp_path):
@@ -41,20 +35,12 @@ def test_sft_killed_midway_resumes_to_identical_losses_and_weights(prepared, tmp
         import shutil
 
         shutil.copytree(prepared / "run" / "alignment" / "checkpoints", run / "alignment" / "checkpoints")
-    subprocess.run(_cli("train", "sft", "--recipe", str(recipe_path), "--out", str(straight)), check=True,
+    subprocess.run(cli("train", "sft", "--recipe", str(recipe_path), "--out", str(straight)), check=True,
                    capture_output=True, env=env)
-    proc = subprocess.Popen(_cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    latest = killed / "sft" / "checkpoints" / "LATEST"
-    deadline = time.time() + 240
-    while not (latest.exists() and latest.read_text().strip() == "step_3"):
-        assert proc.poll() is None, "the run ended before its first checkpoint"
-        assert time.time() < deadline
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint(cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed)),
+                          killed / "sft" / "checkpoints", 3, env)
     assert not (killed / "sft" / "checkpoints" / "step_6").exists(), "killed too late to test a resume"
-    subprocess.run(_cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed), "--resume"),
+    subprocess.run(cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed), "--resume"),
                    check=True, capture_output=True, env=env)
     assert _losses(killed, "sft") == _losses(straight, "sft")  # bitwise: same floats, same order
     for part in ("adapter/adapter_model.safetensors", "projector/mm-projector.safetensors"):
@@ -68,7 +54,7 @@ def test_resume_without_a_checkpoint_is_refused(prepared, tmp_path):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     copy_prepared(prepared / "run", tmp_path / "run")
     with pytest.raises(FileNotFoundError, match="LATEST"):
-        train_stage(recipe, "alignment", tmp_path / "run", resume=True, progress=False)
+        run_stage(recipe, "alignment", tmp_path / "run", resume=True, progress=False)
 
 
 def _stream(session, budget: int, pack: bool) -> PackedStream:
@@ -97,7 +83,7 @@ def test_packed_batch_loss_equals_unpacked_loss_of_the_same_samples(prepared, tm
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     session = StitchSession.open(recipe, prepared / "run")
-    model = session.build_model(stage="sft", lora={"r": 4, "alpha": 8})
+    model = session.binding.build_model(lora=LoraOptions(r=4, alpha=8))
     torch.manual_seed(1)
     with torch.no_grad():  # a nonzero adapter and projector, so the check covers them
         for p in model.parameters():
@@ -119,7 +105,7 @@ def test_gradient_audit_refuses_a_trainable_lm_weight(prepared, tmp_path):
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     session = StitchSession.open(recipe, prepared / "run")
-    model = session.build_model(stage="alignment")
+    model = session.binding.build_model()
     audit_gradients(model, ("projector",))
     model.lm.get_input_embeddings().weight.requires_grad_(True)
     with pytest.raises(RuntimeError, match="embed_tokens"):
@@ -130,8 +116,8 @@ def test_gradient_audit_refuses_a_trainable_lm_weight(prepared, tmp_path):
 def test_alignment_and_sft_run_on_each_tiny_architecture(prepared, tmp_path, model):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model=model))
     copy_prepared(prepared / "run", tmp_path / "run")
-    align = train_stage(recipe, "alignment", tmp_path / "run", progress=False)
-    sft = train_stage(recipe, "sft", tmp_path / "run", progress=False)
+    align = run_stage(recipe, "alignment", tmp_path / "run", progress=False)
+    sft = run_stage(recipe, "sft", tmp_path / "run", progress=False)
     assert align["trainable_parameters"]["adapter"] == 0 and align["trainable_parameters"]["other"] == 0
     assert sft["trainable_parameters"]["adapter"] > 0 and sft["trainable_parameters"]["other"] == 0
     assert not sft["packed"]  # hybrid layers would leak state across packed samples
@@ -153,3 +139,40 @@ def test_resume_refuses_a_data_stream_that_would_batch_differently(tmp_path, fie
     with pytest.raises(ValueError, match=f"{field}="):
         resumed.load_state_dict(state)
     PackedStream(manifest, lambda row: None, **options).load_state_dict(state)  # same settings: accepted
+
+
+@pytest.mark.parametrize("argv", [["train", "sft", "--recipe", "R.yaml"], ["prepare", "--recipe", "R.yaml"],
+                                  ["run", "R.yaml"]], ids=["train", "prepare", "run"])
+def test_cli_passes_trailing_key_value_overrides_to_the_recipe_loader(monkeypatch, argv):
+    from typer.testing import CliRunner
+
+    from stitch.cli import app
+
+    calls = []
+
+    class Loaded(Exception):
+        pass
+
+    def fake_load(recipe, **kwargs):
+        calls.append((recipe, kwargs))
+        raise Loaded
+
+    monkeypatch.setattr("stitch.config.recipe.load_recipe", fake_load)
+    result = CliRunner().invoke(app, [*argv, "stages.sft.steps=3", "seed=1"])
+    assert isinstance(result.exception, Loaded), result.output
+    assert calls == [("R.yaml", {"overrides": ["stages.sft.steps=3", "seed=1"]})]
+    CliRunner().invoke(app, argv)  # none given: the loader is called as before the overrides existed
+    assert calls[-1] == ("R.yaml", {})
+
+
+def test_stage_options_are_typed_coerced_and_refused_by_field_path(tmp_path):
+    from stitch.config.options import GRPOOptions
+    from stitch.config.recipe import RecipeError
+    from stitch.stages.loop import stage_options
+
+    recipe = load_recipe(write_recipe(tmp_path / "ok.yaml", stages__grpo__lr_adapter="1e-4"))
+    opts = stage_options(recipe, "grpo")
+    assert isinstance(opts, GRPOOptions) and opts.lr_adapter == 1e-4  # YAML's "1e-4" string is a float
+    assert stage_options(recipe, "grpo") == opts and stage_options(recipe, "sft").lora.r == 16
+    with pytest.raises(RecipeError, match=r"'stages\.sft\.lora\.rank'"):  # at load once recipes are typed
+        stage_options(load_recipe(write_recipe(tmp_path / "bad.yaml", stages__sft__lora={"rank": 8})), "sft")

@@ -176,16 +176,15 @@ def test_grpo_with_the_vllm_engine_trains_and_reports_parity_with_the_training_f
     from stitch_testing import write_recipe
 
     from stitch.config.recipe import load_recipe
-    from stitch.stages.grpo import train_grpo
-    from stitch.stages.supervised import train_stage
+    from stitch.stages.loop import run_stage
 
     run = tmp_path / "run"
     shutil.copytree(prepared / "run" / "data", run / "data")
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model="nemotron-nano-tiny", stages__grpo__engine="vllm",
                                       stages__grpo__steps=2, stages__grpo__lr_adapter=1e-2))
-    train_stage(recipe, "alignment", run, progress=False)
-    train_stage(recipe, "sft", run, progress=False)
-    summary = train_grpo(recipe, run, progress=False)
+    run_stage(recipe, "alignment", run, progress=False)
+    run_stage(recipe, "sft", run, progress=False)
+    summary = run_stage(recipe, "grpo", run, progress=False)
     assert summary["engine"] == "vllm" and summary["steps"] == 2
     rows = [json.loads(line) for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["parity_max_abs_logprob"] < 1e-3 for r in rows), [r["parity_max_abs_logprob"] for r in rows]

@@ -10,52 +10,41 @@ import typer
 from rich.table import Table
 
 from stitch.cli.app import app, console
+from stitch.stages.registry import STAGES
 
-STAGES = ("alignment", "sft", "grpo", "dpo")
+OVERRIDES_HELP = "Recipe overrides as key=value (e.g. stages.sft.steps=50)."
+
+
+def _load(recipe: str, overrides: list[str] | None) -> Any:
+    """The recipe with command-line ``key=value`` overrides applied (and refused by field path when wrong)."""
+    from stitch.config.recipe import load_recipe
+
+    return load_recipe(recipe, overrides=overrides) if overrides else load_recipe(recipe)
 
 
 @app.command()
 def train(
     stage: str = typer.Argument(..., help=f"One of: {', '.join(STAGES)}"),
+    overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
     recipe: str = typer.Option(..., "--recipe", help="A registered recipe name or a YAML path."),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<recipe name>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue exactly from checkpoints/LATEST."),
     max_steps: int = typer.Option(None, "--max-steps", help="Stop after this many steps (for smoke runs)."),
 ) -> None:
     """Run one post-training stage of a recipe; prepared data is read from OUT/data."""
-    from stitch.config.recipe import load_recipe
+    from stitch.config.validate import validate_recipe
+    from stitch.stages.distributed import launch_rank
+    from stitch.stages.loop import run_stage
 
     if stage not in STAGES:
         raise typer.BadParameter(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
-    from stitch.config.validate import validate_recipe
-
-    loaded = load_recipe(recipe)
+    loaded = _load(recipe, overrides)
     validate_recipe(loaded)
     if stage not in loaded.stages:
         raise typer.BadParameter(f"recipe {loaded.name!r} has no stage {stage!r}; it has {sorted(loaded.stages)}")
-    out = out or Path("runs") / loaded.name
-    from stitch.stages.distributed import launch_rank, launch_world_size
-
-    if stage in ("grpo", "dpo") and launch_world_size() > 1:
-        raise typer.BadParameter(
-            f"{stage} runs in one process (WORLD_SIZE={launch_world_size()} here): only alignment and sft run "
-            f"data parallel under torchrun; start `stitch train {stage}` without torchrun"
-        )
-    if stage in ("alignment", "sft"):
-        from stitch.stages.supervised import train_stage
-
-        summary = train_stage(loaded, stage, out, resume=resume, max_steps=max_steps)
-        if launch_rank() != 0:
-            return
-    elif stage == "grpo":
-        from stitch.stages.grpo import train_grpo
-
-        summary = train_grpo(loaded, out, resume=resume, max_steps=max_steps)
-    else:
-        from stitch.stages.dpo import train_dpo
-
-        summary = train_dpo(loaded, out, resume=resume, max_steps=max_steps)
-    _print_summary(stage, summary)
+    summary = run_stage(loaded, stage, out or Path("runs") / loaded.name, resume=resume, max_steps=max_steps)
+    if launch_rank() == 0:
+        _print_summary(stage, summary)
 
 
 def _print_summary(stage: str, summary: dict[str, Any]) -> None:
@@ -70,15 +59,15 @@ def _print_summary(stage: str, summary: dict[str, Any]) -> None:
 @app.command()
 def run(
     recipe: str = typer.Argument("demo", help="A registered recipe name or a YAML path."),
+    overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<recipe name>)."),
     fresh: bool = typer.Option(False, "--fresh", help="Re-run stages whose summary already exists."),
     dpo: bool = typer.Option(False, "--dpo", help="Also run the DPO stage after GRPO."),
 ) -> None:
     """The main job: prepare -> alignment -> SFT -> GRPO -> evaluation -> one inference."""
-    from stitch.config.recipe import load_recipe
     from stitch.stages.chain import run_chain
 
-    loaded = load_recipe(recipe)
+    loaded = _load(recipe, overrides)
     out = out or Path("runs") / loaded.name
     from stitch.stages.chain import DEFAULT_STAGES
 
@@ -102,19 +91,20 @@ def run(
 
 @app.command()
 def prepare(
+    overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
     recipe: str = typer.Option(..., "--recipe", help="A registered recipe name or a YAML path."),
     out: Path = typer.Option(None, "--out", help="Output directory (default runs/<recipe name>/data)."),
     device: str = typer.Option("cpu", "--device", help="Where the encoder runs (cpu, cuda, cuda:1...)."),
 ) -> None:
     """Stream the recipe's dataset, encode each row once, write feature-cache/ + manifest.jsonl."""
-    from stitch.config.recipe import RecipeError, load_recipe
+    from stitch.config.recipe import RecipeError
     from stitch.data.feature_cache import FeatureCacheError
     from stitch.data.prepare import PrepareError
     from stitch.data.prepare import prepare as run_prepare
     from stitch.plugins.host import RegistryLookupError
 
     try:
-        loaded = load_recipe(recipe)
+        loaded = _load(recipe, overrides)
         out = out or Path("runs") / loaded.name / "data"
         report = run_prepare(loaded, out, device=device)
     except (RecipeError, PrepareError, FeatureCacheError, RegistryLookupError) as exc:

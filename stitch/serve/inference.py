@@ -44,50 +44,41 @@ def resolve_checkpoint(path: Path) -> ResolvedCheckpoint:
 
 
 class Stitched:
-    """A servable model: encoder + projector + merged LM, with the rollout prompt renderer."""
+    """A servable model: encoder + projector + merged LM, with the rollout prompt renderer. The model binding is
+    resolved from the names the projector artifact records, the same one the stages trained with."""
 
     def __init__(self, checkpoint: Path, engine: str = "embedded", device: str | None = None) -> None:
-        from stitch.data.sentinels import resolve_sentinels
-        from stitch.model.loading import load_model, load_tokenizer
-        from stitch.model.stitched import StitchedModel
+        from stitch.model.binding import ModelBinding
         from stitch.plugins.host import get_host
 
         self.checkpoint = resolve_checkpoint(checkpoint)
         manifest = json.loads((self.checkpoint.projector_dir / "manifest.json").read_text())
-        host = get_host()
-        self.host = host
-        self.model_spec = host.get("models", manifest["base_model"])
-        self.encoder_spec = host.get("encoders", manifest["encoder"])
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.tokenizer = load_tokenizer(self.model_spec)
-        self.sentinel_ids = resolve_sentinels(host.get("token_sentinels", self.model_spec.sentinels), self.tokenizer)
-        lm = load_model(self.model_spec)
+        self.binding = ModelBinding.resolve(get_host(), manifest["base_model"], manifest["encoder"],
+                                            manifest["projector_type"], device=device)
+        lm = self.binding.load_lm()
         self.merged_weights = merge_adapter_into_model(lm, self.checkpoint.adapter_dir)
-        lm.requires_grad_(False).eval()
-        hidden = lm.config.get_text_config().hidden_size
-        projector = host.get("projectors", manifest["projector_type"]).build(self.encoder_spec.feature_width, hidden)
-        from stitch.model.artifacts import load_projector_artifact
-
-        expected = {k: manifest[k] for k in ("encoder", "feature_width", "tokens_per_item", "base_model",
-                                              "hidden_size", "sentinel_ids")}
-        expected["hidden_size"] = hidden
-        expected["sentinel_ids"] = self.sentinel_ids.as_dict()
-        projector.load_state_dict(load_projector_artifact(self.checkpoint.projector_dir, expected))
-        self.model = StitchedModel(lm, projector.eval(), self.sentinel_ids.placeholder).to(self.device)
-        self.engine = host.get("rollout_engines", engine).factory(
-            lm, pad_id=self._pad_id(), eos_id=self.tokenizer.eos_token_id,
-            suppress_ids=list(self.sentinel_ids.as_dict().values()))
+        lm.eval()
+        # the projector artifact's provenance is checked against this binding as it loads
+        self.model = self.binding.build_model(lm=lm, projector_from=self.checkpoint.projector_dir,
+                                              train_projector=False).eval()
+        self.engine = self.binding.host.get("rollout_engines", engine).factory(
+            lm, pad_id=self.binding.pad_id, eos_id=self.tokenizer.eos_token_id, suppress_ids=self.binding.suppress_ids)
         self._encoder = None
 
-    def _pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return pad if pad is not None else self.tokenizer.eos_token_id
+    @property
+    def tokenizer(self) -> Any:
+        return self.binding.tokenizer
+
+    @property
+    def encoder_spec(self) -> Any:
+        return self.binding.encoder_spec
+
+    @property
+    def device(self) -> torch.device:
+        return self.binding.device
 
     def prompt_text(self, question: str, num_items: int = 1) -> str:
-        from stitch.data.collator import render_prompt
-
-        return render_prompt(self.tokenizer, question, self.sentinel_ids, self.encoder_spec.tokens_per_item,
-                             num_items)
+        return self.binding.prompt_text(question, num_items)
 
     def encode(self, raw: Any) -> torch.Tensor:
         if self._encoder is None:
@@ -101,7 +92,10 @@ class Stitched:
     @torch.no_grad()
     def answer_features(self, features: torch.Tensor, question: str, max_new_tokens: int = 24) -> str:
         """Greedy answer from already-encoded features ``[items, tokens, width]`` (e.g. the feature cache)."""
-        ids = self.tokenizer(self.prompt_text(question, features.shape[0]), add_special_tokens=False)["input_ids"]
-        embeds = self.model.embed(torch.tensor([ids], device=self.device), features.to(self.device), ["input"])[0]
+        from stitch.rollout.prompts import payload_for, prompt_embeddings
+
+        payload = payload_for(self.binding.host, self.encoder_spec)
+        ids = self.binding.prompt_ids(question, features.shape[0])
+        (embeds,) = prompt_embeddings(payload, self.model, [("input", ids, features)])
         (completion,) = self.engine.generate([embeds], 1, max_new_tokens, greedy=True)
         return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)

@@ -4,14 +4,14 @@ and full-tensor gathers so checkpoints keep the one-process layout (and resume a
 
     torchrun --nproc-per-node 2 -m stitch train sft --recipe R --out DIR
 
-Every rank draws the same packs from the same PackedStream and trains on ``packs[rank::world]``; the loss is
+Checkpoints are written by ``stitch.stages.loop.save_checkpoint`` through the model binding from the gathered
+tensors. Every rank draws the same packs from the same PackedStream and trains on ``packs[rank::world]``; the loss is
 normalised by the global label-token count, so the gradient is the one-process gradient of the same batch.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -221,22 +221,3 @@ def decoder_layers(lm: nn.Module) -> list[nn.Module]:
         raise RuntimeError(f"{type(base).__name__}: found no decoder layers to shard (no _no_split_modules, no "
                            f"'layers' ModuleList)")
     return layers
-
-
-def save_trainable_full(session: Any, model: nn.Module, step_dir: Any, stage: str,
-                        state: dict[str, torch.Tensor]) -> None:
-    """Rank 0: the same artifacts ``StitchSession.save_trainable`` writes, from gathered full tensors."""
-    from stitch.model.artifacts import save_projector_artifact
-    from stitch.stages.session import resolved_lora_targets
-
-    hidden = model.lm.config.get_text_config().hidden_size
-    projector = {k.removeprefix("projector."): v for k, v in state.items() if k.startswith("projector.")}
-    save_projector_artifact(step_dir / "projector", projector, session.projector_provenance(hidden, stage))
-    if hasattr(model.lm, "peft_config"):
-        lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
-        model.lm.save_pretrained(str(step_dir / "adapter"), safe_serialization=True, state_dict=lm_state)
-        cfg = json.loads((step_dir / "adapter" / "adapter_config.json").read_text())
-        resolved = resolved_lora_targets(model.lm)
-        configured = set(cfg.get("target_modules") or [])
-        if configured and resolved != {t.split(".")[-1] for t in configured} and resolved != configured:
-            raise RuntimeError(f"LoRA wrapped {sorted(resolved)}, but the model plugin asked for {sorted(configured)}")

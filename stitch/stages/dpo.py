@@ -1,4 +1,5 @@
-"""DPO on deterministic pairs from the manifest: the recorded answer is chosen, the next integer rejected.
+"""DPO step on chosen/rejected pairs: chosen is the recorded answer; rejected comes from the recipe task's
+generator (``TaskSpec.rejected``) or, for a task without one, from the dataset's ``rejected`` column.
 
 Features attach independently to both branches (each branch's placeholder count is checked against its
 features); the reference is the SFT warm start (adapter + projector), frozen.
@@ -6,60 +7,37 @@ features); the reference is the SFT warm start (adapter + projector), frozen.
 
 from __future__ import annotations
 
-import json
 import random
-import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from stitch.config.recipe import Recipe, stage_options
 from stitch.data.packing import Sample, collate_packs
-from stitch.demo.tiny import answer_text
 from stitch.model.scatter import PlaceholderCountError
-from stitch.runs.checkpoint import (
-    latest_step_dir,
-    load_step_state,
-    random_from_json,
-    random_to_json,
-    save_step,
-    write_text_atomic,
-)
-from stitch.stages.evaluation import evaluate_accuracy, parse_answer
-from stitch.stages.grpo import _logits_with
-from stitch.stages.supervised import MetricsLog, audit_gradients, peak_memory_bytes, trainable_by_group
+from stitch.runs.checkpoint import random_from_json, random_to_json
+from stitch.stages.logprobs import sequence_logprob
+from stitch.stages.loop import Stage, StageContext, run_stage
 
 
-@dataclass(frozen=True)
-class DPOOptions:
-    steps: int = 20
-    pairs_per_step: int = 8
-    beta: float = 0.1
-    lr_adapter: float = 5e-4
-    partition: str = "train"
-    eval_partition: str | None = "eval"
-    eval_rows: int = 64
-    save_every: int = 10
-    seed: int = 0
-    probe_pairs: int = 32  # fixed pairs scored before and after training
-
-    @classmethod
-    def from_recipe(cls, recipe: Recipe) -> DPOOptions:
-        return stage_options(cls, recipe, "dpo")
-
-
-def preference_pairs(rows: list[Any]) -> list[dict[str, Any]]:
-    """Deterministic pairs: chosen = the recorded answer, rejected = the next integer."""
-    pairs = []
+def preference_pairs(task: Any, rows: list[Any], rng: random.Random, partition: str) -> tuple[list[dict[str, Any]], int]:
+    """(pairs, rows skipped): chosen = the row's answer; rejected = ``task.rejected(row, rng)`` when the task
+    generates one, else the row's ``rejected`` column. A row with neither is skipped; no pair at all is an error."""
+    pairs, skipped = [], 0
     for row in rows:
-        n = parse_answer(row.answer)
-        if n is None:
+        task_row = row.task_row()
+        rejected = task.rejected(task_row, rng) if task.rejected is not None else row.extra.get("rejected")
+        if not rejected:
+            skipped += 1
             continue
-        pairs.append({"row": row, "chosen": row.answer, "rejected": answer_text(n + 1)})
-    return pairs
+        pairs.append({"row": row, "chosen": row.answer, "rejected": rejected})
+    if not pairs:
+        source = (f"task {task.name!r} generated no rejected answer" if task.rejected is not None else
+                  f"task {task.name!r} has no rejected-answer generator and no row has a 'rejected' column "
+                  f"(data.columns.rejected)")
+        raise ValueError(f"dpo: partition {partition!r} yields no preference pairs: {source} for any of its "
+                         f"{len(rows)} rows")
+    return pairs, skipped
 
 
 def branch_sample(session: Any, row: Any, answer: str, features: torch.Tensor) -> Sample:
@@ -76,15 +54,6 @@ def branch_sample(session: Any, row: Any, answer: str, features: torch.Tensor) -
             f"{features.shape[0]} items x {tokens} tokens = {features.shape[0] * tokens}"
         )
     return Sample(row.id, ids, labels, features)
-
-
-def sequence_logprob(model: Any, batch: Any, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    logits = model.logits(batch) if params is None else _logits_with(model, params, batch)
-    logits = logits[:, :-1].float()
-    target = batch.labels[:, 1:]
-    mask = target != -100
-    lp = torch.log_softmax(logits, -1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (lp * mask).sum(1)
 
 
 def pair_batch(session: Any, pairs: list[dict[str, Any]]) -> Any:
@@ -114,95 +83,76 @@ def pair_metrics(model: Any, session: Any, pairs: list[dict[str, Any]], referenc
     return {"loss": float(torch.cat(losses).mean()), "margin": float(torch.cat(margins).mean())}
 
 
-def train_dpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps: int | None = None,
-              progress: bool = True) -> dict[str, Any]:
-    from tqdm.auto import tqdm
+class DPOStage(Stage):
+    """Pairs fixed at build time, drawn in a seeded order; the loss against the frozen SFT reference."""
 
-    from stitch.stages.session import StitchSession
+    postfix = ("loss", "margin")
 
-    opts = DPOOptions.from_recipe(recipe)
-    out_dir = Path(out_dir)
-    stage_dir = out_dir / "dpo"
-    ckpt_root = stage_dir / "checkpoints"
-    session = StitchSession.open(recipe, out_dir)
-    donor = session.checked_sft_donor("dpo")
-    torch.manual_seed(opts.seed)
-    model = session.build_model(stage="dpo", adapter_from=donor / "adapter", projector_from=donor / "projector",
-                                train_projector=False)
-    audit_gradients(model, ("adapter",))
-    reference = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=opts.lr_adapter, weight_decay=0.0)
-    pairs = preference_pairs(list(session.data.rows(opts.partition)))
-    if not pairs:
-        raise ValueError(f"dpo: partition {opts.partition!r} has no rows with a numeric answer to pair")
-    rng = random.Random(opts.seed)
-    metrics = MetricsLog(stage_dir / "metrics.jsonl")
-    step = 0
-    resume_dir = latest_step_dir(ckpt_root) if resume else None
-    if resume_dir is not None:
-        session.load_trainable(model, resume_dir)
-        state = load_step_state(resume_dir, optimizer)
-        random_from_json(rng, state["data_rng"])
-        step = state["step"]
-        metrics.truncate_after(step)
-    else:
-        metrics.reset()
-    total = opts.steps if max_steps is None else min(opts.steps, max_steps)
-    probe = pairs[: opts.probe_pairs]
-    model.eval()
-    start = pair_metrics(model, session, probe, reference, opts.beta)
-    model.train()
-    bar = tqdm(total=total, initial=step, desc="dpo", disable=not progress, dynamic_ncols=True)
-    t_start = time.perf_counter()
-    model.train()
-    while step < total:
-        drawn = [pairs[rng.randrange(len(pairs))] for _ in range(opts.pairs_per_step)]
+    def model_args(self) -> dict[str, Any]:
+        return {"train_projector": False}
+
+    def build(self, ctx: StageContext) -> None:
+        from stitch.tasks import resolve_task
+
+        opts, session = self.opts, ctx.session
+        self.task = resolve_task(ctx.recipe, session.host)
+        rows = list(session.data.rows(opts.partition))
+        # the pairs are fixed for the run: a generator draws from its own seeded stream, not the data order's
+        self.pairs, self.skipped = preference_pairs(self.task, rows, random.Random(f"dpo-pairs-{opts.seed}"),
+                                                    opts.partition)
+        self.reference = {n: p.detach().clone() for n, p in ctx.model.named_parameters() if p.requires_grad}
+        self.probe = self.pairs[: opts.probe_pairs]
+        self.rng = random.Random(opts.seed)
+        self.probe_start: dict[str, float] | None = None
+
+    def _probe(self, ctx: StageContext) -> dict[str, float]:
+        ctx.model.eval()
+        result = pair_metrics(ctx.model, ctx.session, self.probe, self.reference, self.opts.beta)
+        ctx.model.train()
+        return result
+
+    def start(self, ctx: StageContext) -> None:
+        if self.probe_start is None:  # at step 0 the policy equals the reference (loss = log 2, margin 0)
+            self.probe_start = self._probe(ctx)
+
+    def step(self, ctx: StageContext) -> dict[str, Any]:
+        opts, model = self.opts, ctx.model
+        drawn = [self.pairs[self.rng.randrange(len(self.pairs))] for _ in range(opts.pairs_per_step)]
         # each branch carries its own copy of the features; its placeholders are checked against them
-        batch = pair_batch(session, drawn)
+        batch = pair_batch(ctx.session, drawn)
         with torch.no_grad():
-            ref = sequence_logprob(model, batch, params=reference)
+            ref = sequence_logprob(model, batch, params=self.reference)
         pol = sequence_logprob(model, batch)
         n = len(drawn)
-        logits = opts.beta * ((pol[:n] - ref[:n]) - (pol[n:] - ref[n:]))
+        margin = (pol[:n] - ref[:n]) - (pol[n:] - ref[n:])
+        logits = opts.beta * margin
         loss = -F.logsigmoid(logits).mean()
-        optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        audit_gradients(model, ("adapter",))
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        step += 1
-        margin = float(((pol[:n] - ref[:n]) - (pol[n:] - ref[n:])).detach().mean())
-        record = {"step": step, "loss": float(loss.detach()), "margin": margin,
-                  "chosen_logprob": float(pol[:n].detach().mean()), "rejected_logprob": float(pol[n:].detach().mean()),
-                  "accuracy": float((logits.detach() > 0).float().mean())}
-        metrics.write(record)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", margin=f"{margin:.2f}")
-        bar.update(1)
-        if step % opts.save_every == 0 or step == total:
-            save_step(ckpt_root, step, lambda d: session.save_trainable(model, d, stage="dpo"), optimizer,
-                      {"data_rng": random_to_json(rng), "donor": str(donor)})
-    bar.close()
-    history = metrics.read()
-    model.eval()
-    end = pair_metrics(model, session, probe, reference, opts.beta)
-    summary = {
-        "stage": "dpo", "steps": step, "donor": str(donor),
-        # on a fixed probe set of pairs: at the start the policy equals the reference (loss = log 2, margin 0)
-        "probe_pairs": len(probe),
-        "probe_loss_start": start["loss"], "probe_loss_end": end["loss"],
-        "probe_margin_start": start["margin"], "probe_margin_end": end["margin"],
-        "loss_first": history[0]["loss"] if history else None,
-        "loss_last": history[-1]["loss"] if history else None,
-        "margin_first": history[0]["margin"] if history else None,
-        "margin_last": history[-1]["margin"] if history else None,
-        "trainable_parameters": trainable_by_group(model),
-        "peak_memory_bytes": peak_memory_bytes(),
-        "checkpoint": str(latest_step_dir(ckpt_root)), "metrics": str(metrics.path),
-        "seconds": round(time.perf_counter() - t_start, 2),
-    }
-    if opts.eval_partition:
-        model.eval()
-        summary["eval_accuracy"] = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
-    write_text_atomic(stage_dir / "summary.json", json.dumps(summary, indent=2))
-    return summary
+        ctx.update()
+        return {"loss": float(loss.detach()), "margin": float(margin.detach().mean()),
+                "chosen_logprob": float(pol[:n].detach().mean()), "rejected_logprob": float(pol[n:].detach().mean()),
+                "accuracy": float((logits.detach() > 0).float().mean())}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": random_to_json(self.rng), "probe_start": self.probe_start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random_from_json(self.rng, state["rng"])
+        self.probe_start = state["probe_start"]
+
+    def summary(self, ctx: StageContext, history: list[dict[str, Any]]) -> dict[str, Any]:
+        end = self._probe(ctx)
+        return {
+            "task": self.task.name, "pairs": len(self.pairs), "rows_skipped": self.skipped,
+            "probe_pairs": len(self.probe),
+            "probe_loss_start": self.probe_start["loss"], "probe_loss_end": end["loss"],
+            "probe_margin_start": self.probe_start["margin"], "probe_margin_end": end["margin"],
+            "margin_first": history[0]["margin"] if history else None,
+            "margin_last": history[-1]["margin"] if history else None,
+        }
+
+
+def train_dpo(recipe: Any, out_dir: Any, *, resume: bool = False, max_steps: int | None = None,
+              progress: bool = True) -> dict[str, Any]:
+    """``run_stage(recipe, "dpo", ...)`` under its former name (stitch.stages.chain still calls it)."""
+    return run_stage(recipe, "dpo", out_dir, resume=resume, max_steps=max_steps, progress=progress)

@@ -1,116 +1,33 @@
-"""GRPO: warm start from SFT behind the provenance gate, group sampling from a rollout engine, verifiable
-reward, group-normalised advantages, clipped policy loss and a KL leash to the SFT reference.
+"""GRPO step: group sampling from a rollout engine on prompt embeddings built through the registered rollout
+payload, the recipe task's reward, group-normalised advantages, clipped policy loss and a KL leash to the SFT
+reference (the warm start the stage table names, behind the provenance gate).
 
-Only the adapter trains by default; ``train_projector: true`` adds the projector as its own parameter
-group (constant LR only), logs its relative-L2 drift before every update, and anchors the KL reference to
-the warm-start projector.
+Only the adapter trains by default; ``train_projector: true`` adds the projector as its own parameter group
+(constant LR only), logs its relative-L2 drift before every update, and anchors the KL reference to the
+warm-start projector.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch.func import functional_call
 
-from stitch.config.recipe import Recipe, RecipeError, stage_options
+from stitch.config.recipe import RecipeError
 from stitch.data.packing import Sample, collate_packs
-from stitch.rollout.engines import mask_suppressed
-from stitch.runs.checkpoint import (
-    latest_step_dir,
-    load_step_state,
-    random_from_json,
-    random_to_json,
-    save_step,
-    write_text_atomic,
-)
-from stitch.stages.evaluation import evaluate_accuracy, parse_answer
-from stitch.stages.supervised import MetricsLog, audit_gradients, peak_memory_bytes, trainable_by_group
-
-
-@dataclass(frozen=True)
-class GRPOOptions:
-    steps: int = 20
-    prompts_per_step: int = 8
-    group_size: int = 4
-    max_new_tokens: int = 10
-    temperature: float = 1.0
-    lr_adapter: float = 1e-4
-    lr_projector: float = 1e-5
-    schedule: str = "constant"
-    clip_eps: float = 0.2
-    kl_beta: float = 0.04
-    updates_per_batch: int = 1
-    # sequences per forward/backward (gradients accumulate to the same update); None = the whole step at once
-    micro_batch_size: int | None = None
-    train_projector: bool = False
-    engine: str = "embedded"
-    placement: str = "colocated"  # or "ray": rollout replicas as Ray actors (stitch.rollout.ray_rollout)
-    partition: str = "grpo"
-    eval_partition: str | None = "eval"
-    eval_rows: int = 64
-    save_every: int = 10
-    seed: int = 0
-    lora: dict[str, Any] | None = None  # must restate the SFT donor's rank and alpha
-
-    @classmethod
-    def from_recipe(cls, recipe: Recipe) -> GRPOOptions:
-        opts = stage_options(cls, recipe, "grpo")
-        if opts.train_projector and opts.schedule != "constant":
-            raise RecipeError(
-                f"recipe {recipe.name!r}: field 'stages.grpo.schedule': the trainable-projector variant needs a "
-                f"constant LR schedule (a warm start's projector group must not be rescaled), got {opts.schedule!r}"
-            )
-        if opts.schedule not in ("constant", "cosine"):
-            raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.schedule': expected constant or cosine, "
-                              f"got {opts.schedule!r}")
-        if opts.placement not in ("colocated", "ray"):
-            raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.placement': expected colocated or ray, "
-                              f"got {opts.placement!r}")
-        if opts.micro_batch_size is not None and (not isinstance(opts.micro_batch_size, int)
-                                                   or opts.micro_batch_size < 1):
-            raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.micro_batch_size': expected a positive "
-                              f"integer or null, got {opts.micro_batch_size!r}")
-        if opts.group_size < 2:
-            raise RecipeError(f"recipe {recipe.name!r}: field 'stages.grpo.group_size': expected at least 2 "
-                              f"(advantages are normalised within a group), got {opts.group_size}")
-        return opts
-
-
-def reward(completion_text: str, gold_answer: str) -> float:
-    """1.0 when the first integer after "The answer is" equals the recorded one, else 0.0."""
-    got, want = parse_answer(completion_text), parse_answer(gold_answer)
-    return float(got is not None and got == want)
+from stitch.rollout.prompts import payload_for, prompt_embeddings
+from stitch.runs.checkpoint import random_from_json, random_to_json
+from stitch.stages.logprobs import token_logprobs
+from stitch.stages.loop import Stage, StageContext, run_stage
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     groups = rewards.view(-1, group_size)
     adv = (groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + eps)
     return adv.view(-1)
-
-
-def token_logprobs(model: Any, batch: Any, temperature: float, params: dict[str, torch.Tensor] | None = None,
-                   suppress_ids: Sequence[int] = ()):
-    """Log-probs of each label token under ``model`` (or under ``params`` substituted into it), over the
-    same distribution the engine samples from (suppressed ids masked)."""
-    logits = model.logits(batch) if params is None else _logits_with(model, params, batch)
-    logits = mask_suppressed(logits[:, :-1].float(), suppress_ids) / temperature
-    target = batch.labels[:, 1:]
-    mask = target != -100
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return lp, mask
-
-
-def _logits_with(model: Any, params: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
-    """Logits with ``params`` (e.g. the reference adapter and projector) substituted for the live ones."""
-    return functional_call(model, params, (batch,), strict=False)
 
 
 def grpo_loss(lp: torch.Tensor, old_lp: torch.Tensor, ref_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
@@ -160,13 +77,12 @@ def engine_parity(completions: Sequence[Any], old_lp: torch.Tensor, mask: torch.
     return float((engine_lp - old_lp)[mask].abs().max()) if mask.any() else 0.0
 
 
-def policy_update(model: Any, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
-                  allowed: tuple[str, ...], chunks: list[range], batches: list[Any], old_lp: torch.Tensor,
-                  ref_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions,
-                  suppress_ids: Sequence[int], prepare: Callable[[Any], Any] = _same) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over all micro-batches, gradients accumulated; returns (loss, per-token kl)."""
+def policy_gradients(model: Any, chunks: list[range], batches: list[Any], old_lp: torch.Tensor, ref_lp: torch.Tensor,
+                     adv: torch.Tensor, mask: torch.Tensor, opts: Any, suppress_ids: Sequence[int],
+                     prepare: Callable[[Any], Any] = _same) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of the GRPO loss over all micro-batches, gradients accumulated into one update (the caller
+    applies it); returns (loss, per-token kl)."""
     model.train()
-    optimizer.zero_grad(set_to_none=True)
     total = chunks[-1].stop
     loss, kls = torch.zeros((), device=old_lp.device), []
     for chunk, b in zip(chunks, batches, strict=True):
@@ -178,9 +94,6 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, groups: list[dic
         weighted = chunk_loss * (len(chunk) / total)
         weighted.backward()
         loss, kls = loss + weighted.detach(), kls + [chunk_kl.detach()]
-    audit_gradients(model, allowed)
-    torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
-    optimizer.step()
     return loss, torch.cat(kls)
 
 
@@ -190,146 +103,123 @@ def projector_drift(projector: torch.nn.Module, anchor: dict[str, torch.Tensor])
     return (num / max(den, 1e-30)) ** 0.5
 
 
-def train_grpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps: int | None = None,
-               progress: bool = True) -> dict[str, Any]:
-    with ExitStack() as cleanup:  # closes Ray-placed rollout workers at the end and on error
-        return _train_grpo(recipe, out_dir, cleanup, resume=resume, max_steps=max_steps, progress=progress)
+class GRPOStage(Stage):
+    """Rollouts of the live policy, the task's reward, one clipped-surrogate + KL update per ``updates_per_batch``."""
 
+    postfix = ("reward", "kl")
 
-def _train_grpo(recipe: Recipe, out_dir: Path, cleanup: ExitStack, *, resume: bool, max_steps: int | None,
-                progress: bool) -> dict[str, Any]:
-    from tqdm.auto import tqdm
+    def check(self, recipe: Any) -> None:
+        opts = self.opts
+        if opts.train_projector and (opts.schedule != "constant" or opts.warmup_steps):
+            raise RecipeError(
+                f"recipe {recipe.name!r}: field 'stages.grpo.schedule': the trainable-projector variant needs a "
+                f"constant LR schedule without warmup (a warm start's projector group must not be rescaled), got "
+                f"{opts.schedule!r} with warmup_steps={opts.warmup_steps}"
+            )
 
-    from stitch.stages.session import StitchSession
+    def model_args(self) -> dict[str, Any]:
+        return {"train_projector": self.opts.train_projector}
 
-    opts = GRPOOptions.from_recipe(recipe)
-    out_dir = Path(out_dir)
-    stage_dir = out_dir / "grpo"
-    ckpt_root = stage_dir / "checkpoints"
-    session = StitchSession.open(recipe, out_dir)
-    # the gate runs before any model weights load
-    donor = session.checked_sft_donor("grpo", opts.lora)
-    torch.manual_seed(opts.seed)
-    resume_dir = latest_step_dir(ckpt_root) if resume else None
-    model = session.build_model(stage="grpo", adapter_from=donor / "adapter", projector_from=donor / "projector",
-                                train_projector=opts.train_projector)
-    allowed = ("projector", "adapter") if opts.train_projector else ("adapter",)
-    audit_gradients(model, allowed)
-    # reference = the warm start: SFT adapter and SFT projector, frozen copies substituted at call time
-    reference = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    anchor = {n: p.detach().clone() for n, p in model.projector.named_parameters()}
-    groups = [{"params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n],
-               "lr": opts.lr_adapter, "name": "adapter"}]
-    if opts.train_projector:
-        groups.append({"params": list(model.projector.parameters()), "lr": opts.lr_projector, "name": "projector"})
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
-    sentinels = list(session.sentinel_ids.as_dict().values())
-    engine_spec = session.host.get("rollout_engines", opts.engine)
-    rows = list(session.data.rows(opts.partition))
-    rows = [r for r in rows if parse_answer(r.answer) is not None]
-    if not rows:
-        raise ValueError(f"grpo: partition {opts.partition!r} has no rows with a numeric answer")
-    rng = random.Random(opts.seed)
-    metrics = MetricsLog(stage_dir / "metrics.jsonl")
-    step = 0
-    if resume_dir is not None:
-        session.load_trainable(model, resume_dir)
-        state = load_step_state(resume_dir, optimizer)
-        random_from_json(rng, state["data_rng"])
-        step = state["step"]
-        metrics.truncate_after(step)
-    else:
-        metrics.reset()
-    # built after a resume has restored the adapter: engines holding their own weights start from the live policy
-    if opts.placement == "ray":
-        from stitch.rollout.ray_rollout import RayRolloutEngine
+    def build(self, ctx: StageContext) -> None:
+        from stitch.tasks import resolve_task
 
-        engine = RayRolloutEngine.for_recipe(
-            recipe, model.lm, engine=opts.engine, model=session.model_spec.name, pad_id=session.pad_id,
-            eos_id=session.tokenizer.eos_token_id, suppress_ids=sentinels, seed=opts.seed)
-        cleanup.callback(engine.close)
-    else:
-        engine = engine_spec.factory(model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id,
-                                     suppress_ids=sentinels)
-    start_accuracy = None
-    if opts.eval_partition and step == 0:
-        start_accuracy = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
-    total = opts.steps if max_steps is None else min(opts.steps, max_steps)
-    bar = tqdm(total=total, initial=step, desc="grpo", disable=not progress, dynamic_ncols=True)
-    t_start = time.perf_counter()
-    timings = {"rollout": 0.0, "logprobs": 0.0, "train": 0.0, "refit": 0.0}
-    while step < total:
-        drawn = [rows[rng.randrange(len(rows))] for _ in range(opts.prompts_per_step)]
+        opts, session, model = self.opts, ctx.session, ctx.model
+        self.task = resolve_task(ctx.recipe, session.host)
+        rows = list(session.data.rows(opts.partition))
+        self.rows = [r for r in rows if self.task.takes(r.task_row())]
+        if not self.rows:
+            raise ValueError(f"grpo: partition {opts.partition!r} has no rows task {self.task.name!r} can reward "
+                             f"({len(rows)} rows, none accepted)")
+        self.payload = payload_for(session.host, session.encoder_spec)
+        self.rng = random.Random(opts.seed)
+        # reference = the warm start: SFT adapter and SFT projector, frozen copies substituted at call time
+        self.reference = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        self.anchor = {n: p.detach().clone() for n, p in model.projector.named_parameters()}
+        self.timings = {"rollout": 0.0, "logprobs": 0.0, "train": 0.0, "refit": 0.0}
+        self.eval_accuracy_start: float | None = None
+
+    def start(self, ctx: StageContext) -> None:
+        # built after a resume has restored the adapter: engines holding their own weights start from the live policy
+        opts, binding, lm = self.opts, ctx.binding, ctx.model.lm
+        common = {"pad_id": binding.pad_id, "eos_id": binding.tokenizer.eos_token_id,
+                  "suppress_ids": binding.suppress_ids}
+        if opts.placement == "ray":
+            from stitch.rollout.ray_rollout import RayRolloutEngine
+
+            self.engine = RayRolloutEngine.for_recipe(ctx.recipe, lm, engine=opts.engine,
+                                                      model=binding.model_spec.name, seed=opts.seed, **common)
+            ctx.cleanup.callback(self.engine.close)
+        else:
+            self.engine = binding.host.get("rollout_engines", opts.engine).factory(lm, **common)
+        if opts.eval_partition and ctx.step == 0:
+            self.eval_accuracy_start = ctx.evaluate()
+
+    def step(self, ctx: StageContext) -> dict[str, Any]:
+        opts, session, model = self.opts, ctx.session, ctx.model
+        suppress = ctx.binding.suppress_ids
+        drawn = [self.rows[self.rng.randrange(len(self.rows))] for _ in range(opts.prompts_per_step)]
         t0 = time.perf_counter()
         model.eval()
         with torch.no_grad():
-            prompts, feats = [], []
-            for row in drawn:
-                ids = session.prompt_ids(row.question, row.num_items)
-                f = session.data.features(row)
-                prompts.append((ids, f))
-                emb = model.embed(torch.tensor([ids], device=session.device), f.to(session.device), [row.id])[0]
-                feats.append(emb)
-            completions = engine.generate(feats, opts.group_size, opts.max_new_tokens, opts.temperature)
-        timings["rollout"] += time.perf_counter() - t0
+            prompts = [(row.id, session.prompt_ids(row.question, row.num_items), session.data.features(row))
+                       for row in drawn]
+            embeds = prompt_embeddings(self.payload, model, prompts)
+            completions = self.engine.generate(embeds, opts.group_size, opts.max_new_tokens, opts.temperature)
+        self.timings["rollout"] += time.perf_counter() - t0
         texts = session.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        rewards = torch.tensor([reward(t, drawn[c.prompt_index].answer) for t, c in zip(texts, completions, strict=True)])
+        rewards = torch.tensor([self.task.reward(text, drawn[c.prompt_index].task_row())
+                                for text, c in zip(texts, completions, strict=True)], dtype=torch.float32)
         adv = group_advantages(rewards, opts.group_size).to(session.device)
         samples = []
         for c in completions:
-            ids, f = prompts[c.prompt_index]
-            samples.append([Sample(drawn[c.prompt_index].id, ids + c.token_ids, [-100] * len(ids) + c.token_ids, f)])
+            row_id, ids, features = prompts[c.prompt_index]
+            samples.append([Sample(row_id, ids + c.token_ids, [-100] * len(ids) + c.token_ids, features)])
         chunks, batches = micro_batches(samples, session.pad_id, opts.micro_batch_size, session.device)
         t1 = time.perf_counter()
-        reference_params = {**reference, **{f"projector.{n}": t for n, t in anchor.items()}}
-        old_lp, ref_lp, mask = score_rollouts(model, batches, opts.temperature, reference_params, sentinels)
+        reference_params = {**self.reference, **{f"projector.{n}": t for n, t in self.anchor.items()}}
+        old_lp, ref_lp, mask = score_rollouts(model, batches, opts.temperature, reference_params, suppress)
         parity = engine_parity(completions, old_lp, mask)
-        timings["logprobs"] += time.perf_counter() - t1
-        drift = projector_drift(model.projector, anchor) if opts.train_projector else None
+        self.timings["logprobs"] += time.perf_counter() - t1
+        drift = projector_drift(model.projector, self.anchor) if opts.train_projector else None
         t2 = time.perf_counter()
         for _ in range(opts.updates_per_batch):
-            loss, kl = policy_update(model, optimizer, groups, allowed, chunks, batches, old_lp, ref_lp, adv, mask,
-                                     opts, sentinels)
-        timings["train"] += time.perf_counter() - t2
+            loss, kl = policy_gradients(model, chunks, batches, old_lp, ref_lp, adv, mask, opts, suppress)
+            ctx.update()
+        self.timings["train"] += time.perf_counter() - t2
         t3 = time.perf_counter()
-        engine.refit(None)
-        timings["refit"] += time.perf_counter() - t3
-        step += 1
-        mean_kl = float((kl * mask).sum() / mask.sum().clamp(min=1))
-        record = {"step": step, "reward": float(rewards.mean()), "loss": float(loss), "kl": mean_kl,
-                  "parity_max_abs_logprob": parity,
+        self.engine.refit(None)
+        self.timings["refit"] += time.perf_counter() - t3
+        record = {"reward": float(rewards.mean()), "loss": float(loss),
+                  "kl": float((kl * mask).sum() / mask.sum().clamp(min=1)), "parity_max_abs_logprob": parity,
                   "completion_tokens": int(mask.sum())}
         if drift is not None:
             record["projector_drift"] = drift
-        metrics.write(record)
-        bar.set_postfix(reward=f"{record['reward']:.2f}", kl=f"{mean_kl:.3f}")
-        bar.update(1)
-        if step % opts.save_every == 0 or step == total:
-            save_step(ckpt_root, step, lambda d: session.save_trainable(model, d, stage="grpo"), optimizer,
-                      {"data_rng": random_to_json(rng), "donor": str(donor), "recipe_digest": recipe.digest})
-    bar.close()
-    history = metrics.read()
-    k = max(1, len(history) // 4)
-    summary = {
-        "stage": "grpo",
-        "steps": step,
-        "engine": opts.engine,
-        "placement": opts.placement,
-        "donor": str(donor),
-        "reward_start": sum(r["reward"] for r in history[:k]) / k if history else None,
-        "reward_end": sum(r["reward"] for r in history[-k:]) / k if history else None,
-        "trainable_parameters": trainable_by_group(model),
-        "seconds_by_part": {k2: round(v, 2) for k2, v in timings.items()},
-        "parity_max_abs_logprob": max((r["parity_max_abs_logprob"] for r in history), default=None),
-        "peak_memory_bytes": peak_memory_bytes(),
-        "checkpoint": str(latest_step_dir(ckpt_root)),
-        "metrics": str(metrics.path),
-        "seconds": round(time.perf_counter() - t_start, 2),
-    }
-    if start_accuracy is not None:
-        summary["eval_accuracy_start"] = start_accuracy
-    if opts.eval_partition:
-        summary["eval_accuracy"] = evaluate_accuracy(session, model, opts.eval_partition, limit=opts.eval_rows)
-    write_text_atomic(stage_dir / "summary.json", json.dumps(summary, indent=2))
-    return summary
+        return record
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": random_to_json(self.rng), "eval_accuracy_start": self.eval_accuracy_start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random_from_json(self.rng, state["rng"])
+        self.eval_accuracy_start = state["eval_accuracy_start"]
+
+    def summary(self, ctx: StageContext, history: list[dict[str, Any]]) -> dict[str, Any]:
+        k = max(1, len(history) // 4)
+        out = {
+            "engine": self.opts.engine,
+            "placement": self.opts.placement,
+            "task": self.task.name,
+            "reward_start": sum(r["reward"] for r in history[:k]) / k if history else None,
+            "reward_end": sum(r["reward"] for r in history[-k:]) / k if history else None,
+            "seconds_by_part": {part: round(v, 2) for part, v in self.timings.items()},
+            "parity_max_abs_logprob": max((r["parity_max_abs_logprob"] for r in history), default=None),
+        }
+        if self.eval_accuracy_start is not None:
+            out["eval_accuracy_start"] = self.eval_accuracy_start
+        return out
+
+
+def train_grpo(recipe: Any, out_dir: Any, *, resume: bool = False, max_steps: int | None = None,
+               progress: bool = True) -> dict[str, Any]:
+    """``run_stage(recipe, "grpo", ...)`` under its former name (stitch.stages.chain still calls it)."""
+    return run_stage(recipe, "grpo", out_dir, resume=resume, max_steps=max_steps, progress=progress)

@@ -1,0 +1,215 @@
+"""The model binding: what a recipe (or a checkpoint's manifest) resolves to once — model and encoder specs,
+tokenizer, sentinel ids, projector type — and how to build, save and restore the trainable model (projector +
+optional LoRA adapter) with its provenance. Stages, distributed saving and inference share it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stitch.config.options import LoraOptions
+from stitch.data.sentinels import SentinelIds, resolve_sentinels
+from stitch.model.loading import load_model, load_tokenizer
+from stitch.plugins.specs import EncoderSpec, ModelSpec
+
+
+@dataclass
+class ModelBinding:
+    host: Any
+    model_spec: ModelSpec
+    encoder_spec: EncoderSpec
+    projector_type: str
+    tokenizer: Any
+    sentinel_ids: SentinelIds
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def resolve(cls, host: Any, model: str, encoder: str, projector: str, dtype: torch.dtype = torch.float32,
+                device: str | torch.device | None = None) -> ModelBinding:
+        """Look up the registrations by name and load the tokenizer (no model weights load here)."""
+        model_spec = host.get("models", model)
+        encoder_spec = host.get("encoders", encoder)
+        host.get("projectors", projector)
+        tokenizer = load_tokenizer(model_spec)
+        sentinel_ids = resolve_sentinels(host.get("token_sentinels", model_spec.sentinels), tokenizer)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return cls(host, model_spec, encoder_spec, projector, tokenizer, sentinel_ids, dtype, dev)
+
+    @classmethod
+    def for_recipe(cls, recipe: Any, host: Any = None, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device | None = None) -> ModelBinding:
+        if host is None:
+            from stitch.plugins.host import get_host
+
+            host = get_host()
+        return cls.resolve(host, recipe.model, recipe.encoder, recipe.projector, dtype, device)
+
+    # -- text --------------------------------------------------------------------------------------
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+    @property
+    def suppress_ids(self) -> list[int]:
+        """Media sentinels: an engine must never sample them."""
+        return list(self.sentinel_ids.as_dict().values())
+
+    def prompt_text(self, question: str, num_items: int = 1) -> str:
+        from stitch.data.collator import render_prompt
+
+        return render_prompt(self.tokenizer, question, self.sentinel_ids, self.encoder_spec.tokens_per_item, num_items)
+
+    def prompt_ids(self, question: str, num_items: int = 1) -> list[int]:
+        """The prompt's token ids: the question stays text (a sentinel it spells is not a control token)."""
+        from stitch.data.collator import prompt_token_ids
+
+        return prompt_token_ids(self.tokenizer, question, self.sentinel_ids, self.encoder_spec.tokens_per_item,
+                                num_items)
+
+    # -- model -------------------------------------------------------------------------------------
+    def load_lm(self) -> torch.nn.Module:
+        """The frozen base LM in the binding's dtype."""
+        lm = load_model(self.model_spec, dtype=self.dtype)
+        lm.requires_grad_(False)
+        return lm
+
+    def build_projector(self, hidden: int) -> torch.nn.Module:
+        projector = self.host.get("projectors", self.projector_type).build(self.encoder_spec.feature_width, hidden)
+        return projector.to(self.dtype)
+
+    def build_model(
+        self,
+        *,
+        lora: LoraOptions | dict[str, Any] | None = None,
+        projector_from: Path | None = None,
+        adapter_from: Path | None = None,
+        train_projector: bool = True,
+        train_adapter: bool = True,
+        lm: torch.nn.Module | None = None,
+    ) -> Any:
+        """Frozen LM (+ a new LoRA from ``lora`` or the PEFT adapter at ``adapter_from``), projector (fresh or from
+        the artifact at ``projector_from``), on the binding's device. ``lm``: an already loaded base (inference
+        passes one with the adapter merged in)."""
+        from stitch.model.stitched import StitchedModel
+
+        lm = self.load_lm() if lm is None else lm
+        hidden = hidden_size(lm)
+        projector = self.build_projector(hidden)
+        if projector_from is not None:
+            self.load_projector(projector, projector_from, hidden)
+        projector.requires_grad_(train_projector)
+        if adapter_from is not None:
+            from peft import PeftModel
+
+            lm = PeftModel.from_pretrained(lm, str(adapter_from), is_trainable=train_adapter)
+        elif lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            lora = lora if isinstance(lora, LoraOptions) else LoraOptions.model_validate(lora)
+            config = LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=list(self.model_spec.lora_target_modules),
+                target_parameters=list(self.model_spec.lora_target_parameters) or None,
+                bias="none",
+            )
+            lm = get_peft_model(lm, config)
+        return StitchedModel(lm, projector, self.sentinel_ids.placeholder).to(self.device)
+
+    # -- provenance --------------------------------------------------------------------------------
+    def provenance(self, hidden: int, stage: str) -> dict[str, Any]:
+        """What a projector artifact records about the run that wrote it."""
+        enc = self.encoder_spec.source.identity()
+        base = self.model_spec.source.identity()
+        return {
+            "encoder": self.encoder_spec.name,
+            "encoder_id": enc["id"],
+            "encoder_revision": enc["revision"],
+            "feature_width": self.encoder_spec.feature_width,
+            "tokens_per_item": self.encoder_spec.tokens_per_item,
+            "projector_type": self.projector_type,
+            "base_model": self.model_spec.name,
+            "base_model_id": base["id"],
+            "base_model_revision": base["revision"],
+            "hidden_size": hidden,
+            "sentinel_ids": self.sentinel_ids.as_dict(),
+            "stage": stage,
+        }
+
+    def warm_start_expectations(self, lora: LoraOptions) -> dict[str, Any]:
+        """What the provenance gate (stitch.model.provenance.check_warm_start) compares a donor against."""
+        return {
+            "lora_r": lora.r,
+            "lora_alpha": lora.alpha,
+            "target_modules": list(self.model_spec.lora_target_modules),
+            "base_model": self.model_spec.name,
+            "feature_width": self.encoder_spec.feature_width,
+            "tokens_per_item": self.encoder_spec.tokens_per_item,
+            "sentinel_ids": self.sentinel_ids.as_dict(),
+            "projector_type": self.projector_type,
+        }
+
+    # -- artifacts ---------------------------------------------------------------------------------
+    def load_projector(self, projector: torch.nn.Module, path: Path, hidden: int) -> None:
+        """Projector weights from an artifact whose provenance matches this binding (any stage wrote it)."""
+        from stitch.model.artifacts import load_projector_artifact
+
+        expected = self.provenance(hidden, stage="*")
+        expected.pop("stage")
+        projector.load_state_dict(load_projector_artifact(path, expected))
+
+    def save_trainable(self, model: Any, step_dir: Path, stage: str,
+                       state: dict[str, torch.Tensor] | None = None) -> None:
+        """``step_dir/projector`` (artifact + provenance) and, with LoRA, ``step_dir/adapter`` (plain PEFT).
+
+        ``state``: full tensors keyed like ``model.named_parameters()`` (gathered from FSDP shards); None reads the
+        live module."""
+        from stitch.model.artifacts import save_projector_artifact
+
+        hidden = hidden_size(model.lm)
+        projector: Any = model.projector
+        if state is not None:
+            projector = {k.removeprefix("projector."): v for k, v in state.items() if k.startswith("projector.")}
+        save_projector_artifact(step_dir / "projector", projector, self.provenance(hidden, stage))
+        if not hasattr(model.lm, "peft_config"):
+            return
+        lm_state = None if state is None else {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+        model.lm.save_pretrained(str(step_dir / "adapter"), safe_serialization=True, state_dict=lm_state)
+        # the warm-start gate compares target sets: the resolved one must be what the model plugin asked for
+        cfg = json.loads((step_dir / "adapter" / "adapter_config.json").read_text())
+        resolved = resolved_lora_targets(model.lm)
+        configured = set(cfg.get("target_modules") or [])
+        if configured and resolved != {t.split(".")[-1] for t in configured} and resolved != configured:
+            raise RuntimeError(f"LoRA wrapped {sorted(resolved)}, but the model plugin asked for {sorted(configured)}")
+
+    def load_trainable(self, model: Any, step_dir: Path) -> None:
+        """Restore projector and adapter tensors saved by ``save_trainable`` (for an exact resume)."""
+        self.load_projector(model.projector, step_dir / "projector", hidden_size(model.lm))
+        if hasattr(model.lm, "peft_config"):
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            state = load_file(str(step_dir / "adapter" / "adapter_model.safetensors"))
+            result = set_peft_model_state_dict(model.lm, state)
+            if result.unexpected_keys:
+                raise RuntimeError(f"{step_dir / 'adapter'}: unexpected adapter keys {result.unexpected_keys[:5]}")
+
+
+def hidden_size(lm: Any) -> int:
+    return lm.config.get_text_config().hidden_size
+
+
+def resolved_lora_targets(peft_model: Any) -> set[str]:
+    """Module-name suffixes that actually carry LoRA weights (e.g. q_proj, in_proj)."""
+    names = set()
+    for name, _ in peft_model.named_parameters():
+        if ".lora_A." in name:
+            names.add(name.split(".lora_A.")[0].split(".")[-1])
+    return names

@@ -1,0 +1,388 @@
+"""The one stage loop, in named phases: setup -> load_checkpoint -> train (log, evaluate, save_checkpoint) ->
+summarize. A stage (alignment, sft, grpo, dpo) supplies only what differs: a ``Stage`` subclass with its model
+arguments, ``build``/``start``, one ``step``, its data-order state and its extra summary fields.
+
+    stitch train sft --recipe demo                                    # one process
+    torchrun --nproc-per-node 2 -m stitch train sft --recipe demo     # FSDP2 data parallel (alignment, sft)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from stitch.config.options import STAGE_OPTIONS, StageOptions
+from stitch.config.recipe import RecipeError
+from stitch.model.binding import ModelBinding
+from stitch.runs.checkpoint import latest_step_dir, load_step_state, save_step, write_text_atomic
+from stitch.runs.layout import RunLayout
+from stitch.runs.metrics import MetricsLog, peak_memory_bytes
+from stitch.stages.distributed import DataParallel, launch_world_size
+from stitch.stages.session import StitchSession
+
+log = logging.getLogger("stitch")
+
+
+def stage_options(recipe: Any, name: str) -> StageOptions:
+    """``recipe.stages[name]`` as its typed options (already typed once recipes are; validated here otherwise)."""
+    if name not in STAGE_OPTIONS:
+        raise ValueError(f"unknown stage {name!r}; known: {list(STAGE_OPTIONS)}")
+    if name not in recipe.stages:
+        raise RecipeError(f"recipe {recipe.name!r}: no stage {name!r} under 'stages'; it has {sorted(recipe.stages)}")
+    raw = recipe.stages[name]
+    if isinstance(raw, StageOptions):
+        return raw
+    from pydantic import ValidationError
+
+    try:
+        return STAGE_OPTIONS[name].model_validate(raw or {})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        path = ".".join(str(part) for part in ("stages", name, *err["loc"]))
+        raise RecipeError(f"recipe {recipe.name!r}: field {path!r}: {err['msg']}, got {err.get('input')!r}") from exc
+
+
+def checked_options(recipe: Any, name: str) -> StageOptions:
+    """The stage's options after its own checks (combinations it cannot honour are refused, naming the field)."""
+    from stitch.stages.registry import STAGES
+
+    opts = stage_options(recipe, name)
+    STAGES[name].stage_class()(opts).check(recipe)
+    return opts
+
+
+def lr_lambda(opts: StageOptions) -> Callable[[int], float]:
+    """The LR multiplier at a step: linear warmup over ``warmup_steps``, then cosine to 0 at ``steps`` or constant."""
+    def scale(step: int) -> float:
+        if opts.warmup_steps and step < opts.warmup_steps:
+            return (step + 1) / opts.warmup_steps
+        if opts.schedule == "constant":
+            return 1.0
+        progress = (step - opts.warmup_steps) / max(1, opts.steps - opts.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return scale
+
+
+def parameter_group(name: str) -> str:
+    """The component a parameter of a StitchedModel belongs to: projector, adapter (LoRA) or other (the LM)."""
+    return "projector" if name.startswith("projector.") else "adapter" if "lora_" in name else "other"
+
+
+def trainable_by_group(model: Any) -> dict[str, int]:
+    groups = {"projector": 0, "adapter": 0, "other": 0}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups[parameter_group(name)] += param.numel()
+    return groups
+
+
+def audit_gradients(model: Any, allowed: tuple[str, ...]) -> None:
+    """Fail closed if any parameter outside the allowed groups is trainable or received a gradient."""
+    offenders = [name for name, param in model.named_parameters()
+                 if parameter_group(name) not in allowed and (param.requires_grad or param.grad is not None)]
+    if offenders:
+        raise RuntimeError(
+            f"parameters outside {allowed} would train: {offenders[:5]}{' ...' if len(offenders) > 5 else ''}"
+        )
+
+
+class Stage:
+    """What one stage supplies to the loop. ``opts`` is its typed options; the loop owns everything else."""
+
+    postfix: ClassVar[tuple[str, ...]] = ("loss",)  # record fields shown on the progress bar
+
+    def __init__(self, opts: Any) -> None:
+        self.opts = opts
+
+    def check(self, recipe: Any) -> None:
+        """Refuse option combinations this stage cannot honour (before any data or weights load)."""
+
+    def model_args(self) -> dict[str, Any]:
+        """``ModelBinding.build_model`` arguments besides the warm start (``lora``, ``train_projector``)."""
+        return {"train_projector": True}
+
+    def build(self, ctx: StageContext) -> None:
+        """After the model and optimizer exist, before a resume restores state: data, references."""
+
+    def start(self, ctx: StageContext) -> None:
+        """After a resume, before the first step (engines that copy the live weights start here)."""
+
+    def step(self, ctx: StageContext) -> dict[str, Any]:
+        """One training step: forward, backward, ``ctx.update()``; returns the step's metrics."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stage's own resumable state (data order), JSON-serialisable."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def summary(self, ctx: StageContext, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """Fields this stage adds to summary.json."""
+        return {}
+
+
+@dataclass
+class StageContext:
+    """Everything the phases share; a stage's ``step`` reads the model, session and options from here."""
+
+    recipe: Any
+    name: str
+    opts: Any
+    runner: Stage
+    session: StitchSession
+    dp: DataParallel
+    cleanup: ExitStack
+    model: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    allowed: tuple[str, ...] = ()
+    warm_start: Path | None = None
+    resume_from: Path | None = None
+    step: int = 0
+    grad_norm: float | None = None
+    progress: bool = True
+    t_start: float = 0.0
+
+    @property
+    def layout(self) -> RunLayout:
+        return self.session.layout
+
+    @property
+    def binding(self) -> ModelBinding:
+        return self.session.binding
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.layout.checkpoints(self.name)
+
+    @property
+    def metrics(self) -> MetricsLog:
+        return MetricsLog(self.layout.metrics(self.name))
+
+    def update(self) -> float:
+        """Apply the accumulated gradients: audit them, clip to ``grad_clip`` (None: no clipping), step the
+        optimizer, clear them. Returns (and records) the global grad norm before clipping."""
+        audit_gradients(self.model, self.allowed)
+        params = [p for g in self.groups for p in g["params"]]
+        clip = self.opts.grad_clip if self.opts.grad_clip is not None else float("inf")
+        self.grad_norm = float(self.dp.clip_grad_norm(params, clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.grad_norm
+
+    def evaluate(self) -> float:
+        """The recipe task's held-out accuracy on ``eval_partition`` (sharded weights gathered for generation)."""
+        from stitch.stages.evaluation import evaluate_accuracy
+
+        with self.dp.full_parameters(self.model):
+            return evaluate_accuracy(self.session, self.model, self.opts.eval_partition, limit=self.opts.eval_rows)
+
+
+def run_stage(recipe: Any, name: str, out_dir: Path, *, resume: bool = False, max_steps: int | None = None,
+              progress: bool = True) -> dict[str, Any]:
+    """Run stage ``name`` of ``recipe`` under ``out_dir``; returns its summary (also written to summary.json).
+
+    Under torchrun (WORLD_SIZE > 1) every rank calls this for a data-parallel stage; rank 0 alone writes."""
+    with ExitStack() as cleanup:  # closes what a stage opened (Ray-placed rollout workers), also on error
+        ctx = setup(recipe, name, Path(out_dir), cleanup, resume=resume, progress=progress)
+        load_checkpoint(ctx)
+        train(ctx, max_steps)
+        summary = summarize(ctx)
+    ctx.dp.barrier()  # every rank has finished the stage (and rank 0 its files) before any rank moves on
+    return summary
+
+
+# -- phases --------------------------------------------------------------------------------------------------
+
+
+def setup(recipe: Any, name: str, out_dir: Path, cleanup: ExitStack, *, resume: bool, progress: bool) -> StageContext:
+    """Options, launch check, binding, warm-start gate, model, optimizer (one group per component), scheduler."""
+    from stitch.stages.registry import STAGES
+
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; known: {list(STAGES)}")
+    entry = STAGES[name]
+    opts = checked_options(recipe, name)
+    runner = entry.stage_class()(opts)
+    world = launch_world_size()
+    if entry.data_parallel:
+        from stitch.config.validate import check_launch
+
+        check_launch(recipe, name, opts, world)
+    elif world > 1:
+        raise RecipeError(f"{name} runs in one process (WORLD_SIZE={world} here): only "
+                          f"{[s for s, e in STAGES.items() if e.data_parallel]} run data parallel under torchrun; "
+                          f"start `stitch train {name}` without torchrun")
+    dp = DataParallel.from_env() if entry.data_parallel else DataParallel()
+    torch.manual_seed(opts.seed)
+    session = StitchSession.open(recipe, out_dir, dtype=getattr(torch, opts.dtype), device=dp.device)
+    ctx = StageContext(recipe, name, opts, runner, session, dp, cleanup, progress=progress)
+    if resume:
+        ctx.resume_from = latest_step_dir(ctx.checkpoints)
+        if ctx.resume_from is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {ctx.checkpoints} (no LATEST)")
+    ctx.warm_start = warm_start_source(session, entry, opts)  # the gate runs before any model weights load
+    if dp.is_main and hasattr(recipe, "resolved_yaml"):
+        text = recipe.resolved_yaml() if callable(recipe.resolved_yaml) else recipe.resolved_yaml
+        write_text_atomic(ctx.layout.recipe, text)
+
+    args = runner.model_args()
+    if ctx.warm_start is not None:
+        args.update({f"{part}_from": ctx.warm_start / part for part in entry.warm_parts})
+    model = session.binding.build_model(**args)
+    ctx.allowed = tuple(g for g, on in (("projector", args.get("train_projector", True)),
+                                        ("adapter", "lora" in args or "adapter_from" in args)) if on)
+    if dp.active:
+        if ctx.resume_from is not None:  # full tensors into the plain module; sharding then splits them
+            session.binding.load_trainable(model, ctx.resume_from)
+        model = dp.shard(model)
+    ctx.model = model
+    audit_gradients(model, ctx.allowed)
+    for group in ctx.allowed:  # one parameter group per component, each with its own learning rate
+        params = [p for n, p in model.named_parameters() if p.requires_grad and parameter_group(n) == group]
+        if params:
+            ctx.groups.append({"params": params, "lr": getattr(opts, f"lr_{group}"), "name": group})
+    ctx.optimizer = torch.optim.AdamW(ctx.groups, weight_decay=opts.weight_decay)
+    ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, lr_lambda(opts))
+    runner.build(ctx)
+    return ctx
+
+
+def warm_start_source(session: StitchSession, entry: Any, opts: Any) -> Path | None:
+    """The latest checkpoint of the stage ``entry`` warm-starts from, after the provenance gate when it hands
+    over an adapter; None for a stage that starts fresh."""
+    if entry.warm_start is None:
+        return None
+    root = session.layout.checkpoints(entry.warm_start)
+    donor = latest_step_dir(root)
+    if donor is None:
+        raise FileNotFoundError(
+            f"{entry.name} warm-starts from {entry.warm_start}, but {root} has no LATEST; run "
+            f"`stitch train {entry.warm_start} --recipe {session.recipe.name} --out {session.out_dir}` first"
+        )
+    if "adapter" in entry.warm_parts:
+        from stitch.model.provenance import check_warm_start
+
+        # what this stage restates about the donor's adapter (rank, alpha); by default the donor stage's own
+        lora = getattr(opts, "lora", None) or stage_options(session.recipe, entry.warm_start).lora
+        check_warm_start(donor, session.binding.warm_start_expectations(lora))
+    return donor
+
+
+def load_checkpoint(ctx: StageContext) -> None:
+    """Resume from ``ctx.resume_from``: trainable weights, optimizer, scheduler, torch/python RNG, the stage's
+    data state, the step; the metrics log is cut back to that step. A fresh run starts a fresh log."""
+    if ctx.resume_from is None:
+        if ctx.dp.is_main:
+            ctx.metrics.reset()
+        return
+    step_dir = ctx.resume_from
+    if ctx.dp.active:  # optimizer.pt holds full tensors (one-process layout), whatever world size wrote it
+        ctx.dp.load_optimizer_state(ctx.optimizer, torch.load(step_dir / "optimizer.pt", weights_only=True))
+    else:
+        ctx.binding.load_trainable(ctx.model, step_dir)
+    state = load_step_state(step_dir, None if ctx.dp.active else ctx.optimizer)
+    ctx.scheduler.load_state_dict(state["scheduler"])
+    ctx.runner.load_state_dict(state["data"])
+    ctx.step = state["step"]
+    if ctx.dp.is_main:
+        ctx.metrics.truncate_after(ctx.step)
+
+
+def train(ctx: StageContext, max_steps: int | None = None) -> None:
+    """Steps until ``opts.steps`` (or ``max_steps``): one metrics line per step, evaluation every ``eval_every``,
+    a checkpoint every ``save_every`` and at the last step."""
+    from tqdm.auto import tqdm
+
+    opts = ctx.opts
+    ctx.runner.start(ctx)
+    total = opts.steps if max_steps is None else min(opts.steps, max_steps)
+    metrics = ctx.metrics
+    ctx.model.train()
+    ctx.t_start = time.perf_counter()
+    bar = tqdm(total=total, initial=ctx.step, desc=ctx.name, disable=not (ctx.progress and ctx.dp.is_main),
+               dynamic_ncols=True)
+    while ctx.step < total:
+        lrs = ctx.scheduler.get_last_lr()  # the rates this step trains with
+        record = ctx.runner.step(ctx)
+        ctx.scheduler.step()
+        ctx.step += 1
+        record = {"step": ctx.step, **record, "grad_norm": ctx.grad_norm,
+                  **{f"lr_{g['name']}": lr for g, lr in zip(ctx.groups, lrs, strict=True)}}
+        if opts.eval_partition and opts.eval_every and ctx.step % opts.eval_every == 0 and ctx.step < total:
+            record["eval_accuracy"] = ctx.evaluate()
+        if ctx.dp.is_main:
+            metrics.write(record)
+        bar.set_postfix({k: f"{record[k]:.3f}" for k in ctx.runner.postfix if k in record})
+        bar.update(1)
+        if ctx.step % opts.save_every == 0 or ctx.step == total:
+            save_checkpoint(ctx)
+    bar.close()
+
+
+def save_checkpoint(ctx: StageContext) -> Path | None:
+    """``checkpoints/step_N`` (trainable weights, optimizer, RNG, scheduler, the stage's data state, the recipe
+    digest, the warm-start source), then LATEST. Under FSDP every rank gathers; rank 0 writes the one-process
+    layout."""
+    state = {"scheduler": ctx.scheduler.state_dict(), "data": ctx.runner.state_dict(),
+             "recipe_digest": getattr(ctx.recipe, "digest", ""),
+             "warm_start": str(ctx.warm_start) if ctx.warm_start else None}
+    keep = ctx.opts.keep_checkpoints
+    if not ctx.dp.active:
+        return save_step(ctx.checkpoints, ctx.step, lambda d: ctx.binding.save_trainable(ctx.model, d, ctx.name),
+                         ctx.optimizer, state, keep=keep)
+    full, optim = ctx.dp.full_trainable_state(ctx.model), ctx.dp.full_optimizer_state(ctx.optimizer)
+    if not ctx.dp.is_main:
+        return None
+
+    def payload(d: Path) -> None:
+        ctx.binding.save_trainable(ctx.model, d, ctx.name, state=full)
+        torch.save(optim, d / "optimizer.pt")
+
+    return save_step(ctx.checkpoints, ctx.step, payload, None, state, keep=keep)
+
+
+def summarize(ctx: StageContext) -> dict[str, Any]:
+    """summary.json: the shared fields, the stage's own, the final evaluation (also logged as a ``final`` line)."""
+    elapsed = time.perf_counter() - ctx.t_start
+    ctx.dp.barrier()  # rank 0's metrics and checkpoint are complete before any rank reads them
+    metrics = ctx.metrics
+    history = [r for r in metrics.read() if not r.get("final")]
+    losses = [r["loss"] for r in history if "loss" in r]
+    summary: dict[str, Any] = {
+        "stage": ctx.name,
+        "steps": ctx.step,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "trainable_parameters": trainable_by_group(ctx.model),
+        "peak_memory_bytes": peak_memory_bytes(),
+        "checkpoint": str(latest_step_dir(ctx.checkpoints)),
+        "metrics": str(metrics.path),
+        "seconds": round(elapsed, 2),
+    }
+    if ctx.warm_start is not None:
+        summary["donor"] = str(ctx.warm_start)
+    summary.update(ctx.runner.summary(ctx, history))
+    if ctx.dp.active:
+        summary["world_size"] = ctx.dp.world_size
+        summary["peak_memory_bytes_per_rank"] = ctx.dp.gather_object(peak_memory_bytes())
+    if ctx.opts.eval_partition:
+        summary["eval_accuracy"] = ctx.evaluate()
+        if ctx.dp.is_main:
+            metrics.write({"step": ctx.step, "eval_accuracy": summary["eval_accuracy"], "final": True})
+    if ctx.dp.is_main:
+        write_text_atomic(ctx.layout.summary(ctx.name), json.dumps(summary, indent=2))
+    return summary
