@@ -583,20 +583,6 @@ def recipe_json_schema() -> dict[str, Any]:
     return RecipeFile.model_json_schema()
 
 
-def stage_options(cls: type, recipe: Recipe, stage: str) -> Any:
-    """Compatibility for stage code not yet reading ``recipe.stages[stage]``: a typed options class gets the
-    recipe's instance; a legacy dataclass is built from the options the recipe sets (already type-checked)."""
-    if isinstance(cls, type) and issubclass(cls, BaseModel):
-        return recipe.stage_options(stage)
-    raw = recipe.stage(stage)
-    known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise RecipeError(
-            f"{recipe.where()}: unknown field 'stages.{stage}.{unknown[0]}'; expected one of {', '.join(known)}"
-        )
-    return cls(**raw)
-
 
 def shipped_recipes(directory: Path) -> list[Any]:
     """A ``RecipeSpec`` for every ``*.yaml`` in ``directory`` (a plugin's recipes), described by the file's

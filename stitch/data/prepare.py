@@ -534,8 +534,10 @@ def prepare(
 
     ``encoder`` is an already-loaded encoder for ``recipe.encoder`` (otherwise it is loaded on first need).
     Shards already in the cache are reused; once the new manifest is in place, shards it does not
-    reference are deleted. Run one preparation per ``out_dir`` at a time.
+    reference are deleted. One preparation per ``out_dir`` at a time: a second is refused (``RunLock``).
     """
+    from stitch.runs.lock import RunLock
+
     if host is None:
         from stitch.plugins.host import get_host
 
@@ -543,4 +545,5 @@ def prepare(
     spec = host.get("encoders", recipe.encoder)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return _Preparation(recipe, out, spec, encoder, device, progress).run()
+    with RunLock(out, "prepare"):
+        return _Preparation(recipe, out, spec, encoder, device, progress).run()

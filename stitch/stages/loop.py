@@ -24,31 +24,21 @@ from stitch.config.options import STAGE_OPTIONS, StageOptions
 from stitch.config.recipe import RecipeError
 from stitch.model.binding import ModelBinding
 from stitch.runs.checkpoint import latest_step_dir, load_step_state, save_step, write_text_atomic
+from stitch.runs.environment import environment
 from stitch.runs.layout import RunLayout
+from stitch.runs.lock import RunLock
 from stitch.runs.metrics import MetricsLog, peak_memory_bytes
-from stitch.stages.distributed import DataParallel, launch_world_size
+from stitch.stages.distributed import DataParallel, launch_rank, launch_world_size
 from stitch.stages.session import StitchSession
 
 log = logging.getLogger("stitch")
 
 
 def stage_options(recipe: Any, name: str) -> StageOptions:
-    """``recipe.stages[name]`` as its typed options (already typed once recipes are; validated here otherwise)."""
+    """The stage's typed options (the recipe holds them typed); a missing stage is refused naming it."""
     if name not in STAGE_OPTIONS:
         raise ValueError(f"unknown stage {name!r}; known: {list(STAGE_OPTIONS)}")
-    if name not in recipe.stages:
-        raise RecipeError(f"recipe {recipe.name!r}: no stage {name!r} under 'stages'; it has {sorted(recipe.stages)}")
-    raw = recipe.stages[name]
-    if isinstance(raw, StageOptions):
-        return raw
-    from pydantic import ValidationError
-
-    try:
-        return STAGE_OPTIONS[name].model_validate(raw or {})
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        path = ".".join(str(part) for part in ("stages", name, *err["loc"]))
-        raise RecipeError(f"recipe {recipe.name!r}: field {path!r}: {err['msg']}, got {err.get('input')!r}") from exc
+    return recipe.stage_options(name)
 
 
 def checked_options(recipe: Any, name: str) -> StageOptions:
@@ -197,6 +187,8 @@ def run_stage(recipe: Any, name: str, out_dir: Path, *, resume: bool = False, ma
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this for a data-parallel stage; rank 0 alone writes."""
     with ExitStack() as cleanup:  # closes what a stage opened (Ray-placed rollout workers), also on error
+        if launch_rank() == 0:  # one process per run directory (torchrun's other ranks work under rank 0's lock)
+            cleanup.enter_context(RunLock(Path(out_dir), f"train {name}"))
         ctx = setup(recipe, name, Path(out_dir), cleanup, resume=resume, progress=progress)
         load_checkpoint(ctx)
         train(ctx, max_steps)
@@ -339,7 +331,7 @@ def save_checkpoint(ctx: StageContext) -> Path | None:
     layout."""
     state = {"scheduler": ctx.scheduler.state_dict(), "data": ctx.runner.state_dict(),
              "recipe_digest": getattr(ctx.recipe, "digest", ""),
-             "warm_start": str(ctx.warm_start) if ctx.warm_start else None}
+             "warm_start": str(ctx.warm_start) if ctx.warm_start else None, "environment": environment()}
     keep = ctx.opts.keep_checkpoints
     if not ctx.dp.active:
         return save_step(ctx.checkpoints, ctx.step, lambda d: ctx.binding.save_trainable(ctx.model, d, ctx.name),
@@ -372,6 +364,7 @@ def summarize(ctx: StageContext) -> dict[str, Any]:
         "checkpoint": str(latest_step_dir(ctx.checkpoints)),
         "metrics": str(metrics.path),
         "seconds": round(elapsed, 2),
+        "environment": environment(),
     }
     if ctx.warm_start is not None:
         summary["donor"] = str(ctx.warm_start)
