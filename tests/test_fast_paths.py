@@ -1,0 +1,199 @@
+"""StitchedModel's fast training path computes what the reference path computes.
+
+Packed rows attend within each sample only (``stitch_varlen``) and give the loss and gradients of the same samples one
+per padded row; the chunked LM head + cross-entropy gives the loss and gradients of full fp32 logits; generation and
+padded batches are unchanged by the attention switch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from stitch.data.packing import Sample, collate_packs
+from stitch.model import attention, cross_entropy
+from stitch.model import stitched as stitched_module
+from stitch.model.loading import load_model
+from stitch.model.stitched import StitchedModel
+from stitch.plugins.host import load_plugins
+
+PRESETS = ["qwen3.5-demo", "qwen3.5-tiny", "nemotron-nano-tiny"]
+FEATURE_WIDTH = 16
+IMAGE_TOKENS = 3
+
+
+def build(name: str, seed: int = 0) -> StitchedModel:
+    """A tiny preset in fp32 with a LoRA adapter (non-zero B, so it acts) and a projector; hybrids get the sample-start
+    path their loaders install (stitch's PyTorch reference on CPU)."""
+    from peft import LoraConfig, get_peft_model
+
+    host = load_plugins()
+    spec = host.get("models", name)
+    lm = load_model(spec, dtype=torch.float32)
+    lm.requires_grad_(False)
+    if name == "qwen3.5-tiny":
+        from stitch_qwen.kernels import use_varlen
+
+        use_varlen(lm)
+    elif name == "nemotron-nano-tiny":
+        from stitch_nemotron.kernels import use_varlen
+
+        use_varlen(lm)
+    torch.manual_seed(seed)
+    lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=list(spec.lora_target_modules),
+                                       init_lora_weights=False))
+    hidden = lm.config.get_text_config().hidden_size
+    projector = host.get("projectors", "mlp2x_gelu").build(FEATURE_WIDTH, hidden)
+    placeholder = lm.config.get_text_config().vocab_size - 1
+    return StitchedModel(lm, projector, placeholder)
+
+
+def samples(model: StitchedModel, n: int = 4, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        text = [rng.randrange(3, 200) for _ in range(rng.randint(5, 14))]
+        ids = [model.placeholder_id] * IMAGE_TOKENS + text
+        labels = [-100] * (IMAGE_TOKENS + 2) + text[2:]
+        out.append(Sample(f"s{i}", ids, labels, torch.randn(1, IMAGE_TOKENS, FEATURE_WIDTH, generator=gen)))
+    return out
+
+
+def loss_and_grads(model: StitchedModel, batch, loss_fn=None) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss, _ = (loss_fn or model.loss)(batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for g in grads.values())
+    return float(loss.detach()), grads
+
+
+def reference_loss(model: StitchedModel, batch) -> tuple[torch.Tensor, int]:
+    """The loss as StitchedModel computed it before: full logits in fp32, one cross-entropy."""
+    logits = model.logits(batch)[:, :-1].float()
+    target = batch.labels[:, 1:]
+    n = int((target != -100).sum())
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+    return loss / n, n
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_packed_loss_and_grads_equal_per_sample_rows_while_attention_across_samples_differs(name, monkeypatch):
+    model = build(name)
+    assert model.varlen_attention and attention.runs_varlen_attention(model.lm)
+    pack = samples(model)
+    packed = collate_packs([pack[:3], pack[3:]], pad_id=0, packed=True)
+    alone = collate_packs([[s] for s in pack], pad_id=0, packed=False)
+    loss_packed, grads_packed = loss_and_grads(model, packed)
+    loss_alone, grads_alone = loss_and_grads(model, alone)
+    assert abs(loss_packed - loss_alone) < 1e-5 * abs(loss_alone)
+    assert max_rel_diff(grads_packed, grads_alone) < 1e-4
+
+    # leaky control: the same packed rows with one "sample" per row, i.e. plain causal attention over the row
+    def one_span_per_row(pos):
+        rows, width = pos.shape
+        cu = torch.arange(rows + 1, dtype=torch.int32) * width
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": width, "max_length_k": width}
+
+    monkeypatch.setattr(stitched_module, "varlen_kwargs", one_span_per_row)
+    leaky, _ = model.loss(packed)
+    assert abs(float(leaky) - loss_alone) > 1e-4 * abs(loss_alone)
+
+
+def test_packed_call_builds_no_block_mask_and_attends_sample_by_sample_on_cpu(monkeypatch):
+    import transformers.masking_utils as masking
+
+    model = build("qwen3.5-demo")
+    built, calls = [], []
+    real_mask, real_attend = masking.sdpa_mask, attention.attend_per_sample
+    monkeypatch.setattr(masking, "sdpa_mask", lambda *a, **k: built.append(1) or real_mask(*a, **k))
+    monkeypatch.setattr(attention, "attend_per_sample", lambda *a, **k: calls.append(a[3]) or real_attend(*a, **k))
+    pack = samples(model)
+    model.loss(collate_packs([pack], pad_id=0, packed=True, length=60))
+    layers = model.lm.config.get_text_config().layer_types.count("full_attention")
+    assert built == [] and len(calls) == layers
+    lengths = [len(s) for s in pack]
+    assert calls[0].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist(), 60]  # the padding is its own span
+    model.loss(collate_packs([[s] for s in pack], pad_id=0, packed=False))  # padded rows: SDPA with its mask
+    assert built and len(calls) == layers
+
+
+def test_packed_call_refuses_a_layer_that_did_not_get_the_sample_starts():
+    q = torch.randn(1, 2, 5, 4)
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    with attention.packed_call(), pytest.raises(RuntimeError, match="without cu_seq_lens_q"):
+        attention.stitch_varlen_attention(Layer(), q, q, q, None)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_chunked_cross_entropy_equals_full_fp32_logits_loss_and_grads(name, monkeypatch):
+    model = build(name, seed=1)
+    monkeypatch.setattr(cross_entropy, "CHUNK_TOKENS", 7)  # several chunks, the last one partial
+    assert model._plain_head() is not None
+    pack = samples(model, n=5, seed=3)
+    for batch in (collate_packs([pack[:3], pack[3:]], 0, packed=True), collate_packs([[s] for s in pack], 0, False)):
+        ours, grads = loss_and_grads(model, batch)
+        ref, ref_grads = loss_and_grads(model, batch, lambda b: reference_loss(model, b))
+        assert abs(ours - ref) < 1e-5 * abs(ref)
+        assert max_rel_diff(grads, ref_grads) < 1e-4
+
+
+def test_chunked_linear_cross_entropy_gives_hidden_weight_and_bias_grads_of_the_full_computation():
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 50)
+    target = torch.randint(0, 50, (23,))
+    target[[0, 5, 22]] = -100
+    ours = cross_entropy.linear_cross_entropy(hidden, head, target, chunk=6) * 0.5
+    ours.backward()
+    mine = (hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone())
+    hidden.grad = head.weight.grad = head.bias.grad = None
+    ref = torch.nn.functional.cross_entropy(head(hidden).float(), target, ignore_index=-100, reduction="sum") * 0.5
+    ref.backward()
+    assert torch.allclose(ours, ref, rtol=1e-6)
+    for got, want in zip(mine, (hidden.grad, head.weight.grad, head.bias.grad), strict=True):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation: the loss alone, no gradient work
+        assert torch.allclose(cross_entropy.linear_cross_entropy(hidden, head, target, chunk=6) * 0.5, ref)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_generation_and_padded_logits_unchanged_by_the_varlen_attention(name):
+    host = load_plugins()
+    lm = load_model(host.get("models", name), dtype=torch.float32).eval()
+    assert lm.config._attn_implementation == "sdpa"
+    prompt = torch.tensor([[5, 9, 14, 22, 31, 8, 40], [0, 0, 7, 66, 80, 12, 3]])
+    mask = torch.tensor([[1] * 7, [0, 0] + [1] * 5])
+    with torch.no_grad():
+        before = lm.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        logits_before = lm(input_ids=prompt, attention_mask=mask).logits
+    model = StitchedModel(lm, torch.nn.Linear(FEATURE_WIDTH, lm.config.get_text_config().hidden_size), 1)
+    assert attention.runs_varlen_attention(model.lm)
+    with torch.no_grad():
+        after = lm.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        logits_after = lm(input_ids=prompt, attention_mask=mask).logits
+    assert torch.equal(before, after)
+    assert torch.allclose(logits_before, logits_after, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's varlen flash attention)")
+def test_flash_varlen_equals_per_sample_sdpa_on_a_gpu():
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 300, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, 17, 140, 141, 300], device="cuda", dtype=torch.int32)
+    assert attention.flash_varlen_usable(q, 0.0)
+    fast = attention.attend_flash_varlen(q, k, v, cu, 123, None).float()
+    ref = attention.attend_per_sample(q, k, v, cu, None).float()
+    assert (fast - ref).abs().max() < 2e-2
