@@ -197,3 +197,50 @@ def test_flash_varlen_equals_per_sample_sdpa_on_a_gpu():
     fast = attention.attend_flash_varlen(q, k, v, cu, 123, None).float()
     ref = attention.attend_per_sample(q, k, v, cu, None).float()
     assert (fast - ref).abs().max() < 2e-2
+
+
+def test_bf16_lm_trains_lora_and_projector_in_bf16_on_fp32_master_weights():
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from stitch.model.precision import HalfComputeLinear
+
+    host = load_plugins()
+    spec = host.get("models", "qwen3.5-demo")
+    lm = load_model(spec, dtype=torch.bfloat16)
+    lm.requires_grad_(False)
+    torch.manual_seed(0)
+    lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=list(spec.lora_target_modules),
+                                       init_lora_weights=False))
+    projector = host.get("projectors", "mlp2x_gelu").build(FEATURE_WIDTH, lm.config.hidden_size).to(torch.bfloat16)
+    reference = StitchedModel(copy.deepcopy(lm), copy.deepcopy(projector), lm.config.vocab_size - 1)
+    model = StitchedModel(lm, projector, lm.config.vocab_size - 1)
+    assert model.half_compute["lora_layers"] > 0 and model.half_compute["projector"]
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(p.dtype == torch.float32 for p in trainable.values())  # the masters
+
+    # the reference: peft's own fp32 adapter compute (activations cast to fp32), the projector in fp32
+    for module in reference.modules():
+        if isinstance(module, HalfComputeLinear):
+            module.__class__ = torch.nn.Linear
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = True
+    reference._projector_input_dtype = None
+
+    seen = []
+    first_a = next(m for n, m in model.named_modules() if n.endswith("lora_A.default"))
+    first_a.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    batch = collate_packs([samples(model)], pad_id=0, packed=True)
+    loss, grads = loss_and_grads(model, batch)
+    ref_loss, ref_grads = loss_and_grads(reference, batch)
+    assert seen and seen[0] == (torch.bfloat16, torch.bfloat16)  # the adapter's product ran in bf16
+    assert abs(loss - ref_loss) < 2e-2 * abs(ref_loss)
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32
+        cos = torch.nn.functional.cosine_similarity(grad.flatten(), ref_grads[name].flatten(), dim=0)
+        assert cos > 0.98, (name, float(cos))
+    # an update far below bf16's resolution still moves the fp32 masters
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    torch.optim.SGD(trainable.values(), lr=1e-7).step()
+    assert all(not torch.equal(before[n], p) for n, p in trainable.items() if p.grad.abs().max() > 0)

@@ -10,6 +10,7 @@ from torch import nn
 
 from stitch.model.attention import packed_call, use_varlen_attention
 from stitch.model.cross_entropy import linear_cross_entropy
+from stitch.model.precision import HALF, lora_in_half_compute, projector_in_half_compute
 from stitch.model.scatter import scatter_soft_tokens
 from stitch.model.varlen import varlen_kwargs
 
@@ -20,7 +21,9 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scal
 
 class StitchedModel(nn.Module):
     """``loss`` is the training path: packed rows attend within their sample (``stitch.model.attention``) and the
-    LM head + cross-entropy run in chunks (``stitch.model.cross_entropy``); ``logits`` gives the full logits."""
+    LM head + cross-entropy run in chunks (``stitch.model.cross_entropy``); ``logits`` gives the full logits. With a
+    bf16/fp16 LM the LoRA adapter and the projector compute in that dtype on fp32 master weights
+    (``stitch.model.precision``)."""
 
     def __init__(self, lm: nn.Module, projector: nn.Module, placeholder_id: int) -> None:
         super().__init__()
@@ -30,6 +33,11 @@ class StitchedModel(nn.Module):
         # packed rows cost the sum of squared sample lengths, not the row length squared; padded batches and
         # generation run the SDPA they ran before
         self.varlen_attention = use_varlen_attention(lm)
+        lm_dtype = lm.get_input_embeddings().weight.dtype
+        self.half_compute = {"lora_layers": 0, "projector": False}
+        if lm_dtype in HALF:
+            self.half_compute = {"lora_layers": lora_in_half_compute(lm), "projector": projector_in_half_compute(projector)}
+        self._projector_input_dtype = lm_dtype if self.half_compute["projector"] else None
 
     @property
     def device(self) -> torch.device:
@@ -40,7 +48,8 @@ class StitchedModel(nn.Module):
         embeds = self.lm.get_input_embeddings()(input_ids)
         if features.numel() == 0:
             return embeds
-        soft = self.projector(features.to(device=embeds.device, dtype=next(self.projector.parameters()).dtype))
+        dtype = self._projector_input_dtype or next(self.projector.parameters()).dtype
+        soft = self.projector(features.to(device=embeds.device, dtype=dtype))
         return scatter_soft_tokens(
             embeds, input_ids, soft.reshape(-1, soft.shape[-1]).to(embeds.dtype), self.placeholder_id,
             row_ids=row_ids,
