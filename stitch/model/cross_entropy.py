@@ -40,11 +40,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 continue
             # d(sum CE)/d logits = softmax - one_hot, zero on ignored rows; cast as autograd casts it (to the head's
             # output dtype) before the head's backward
+            # (no boolean indexing: it would sync with a GPU every chunk)
             grad = torch.softmax(logits, dim=-1)
-            rows = keep.nonzero().squeeze(-1)
-            grad[rows, t[rows]] -= 1.0
-            grad[~keep] = 0.0
-            grad = grad.to(h.dtype)
+            grad.scatter_add_(1, t.clamp_min(0)[:, None], torch.full_like(grad[:, :1], -1.0))
+            grad = (grad * keep[:, None]).to(h.dtype)
             if grad_h is not None:
                 grad_h[start:start + chunk] = grad @ weight
             if grad_w is not None:
