@@ -1,9 +1,11 @@
 """SFT step throughput: stitch (cached features + token-budget packing) against an encoder-in-the-loop,
 pad-to-longest baseline, same LM, LoRA, optimizer, samples and GPU, in one run (issue 7, part 2).
 
-Every mode runs stitch's own code path: ``StitchedModel.loss`` (embed -> projector -> scatter -> LM ->
-next-token CE), ``collate_packs``, ``PackedStream`` (next-fit packing over a bounded shuffle buffer, position
-ids reset per sample, ``attention_mask=None`` -> block-causal), the projector from the ``projectors`` registry
+Every stitch mode runs stitch's shipped code path with its defaults: ``StitchedModel.loss`` (embed -> projector ->
+scatter -> LM -> chunked LM head + next-token CE over labelled tokens, liger-kernel's fused linear CE on CUDA when
+installed), ``collate_packs``, ``PackedStream`` (next-fit packing over a bounded shuffle buffer, position ids reset
+per sample; the LM runs the ``stitch_varlen`` attention, so each sample attends only within itself: torch's varlen
+flash attention on CUDA, no block mask), bf16 LoRA/projector compute on fp32 master weights, the projector from the ``projectors`` registry
 (``mlp2x_gelu``) and LoRA r=16 / alpha 32 on the model plugin's ``lora_target_modules`` (as
 ``StitchSession.build_model`` does). One training step = collate + fwd + bwd + grad clip + AdamW step
 (projector lr 1e-3, adapter lr 3e-3, as ``stitch.stages.supervised``). Weights are random-init, built in code from
@@ -19,6 +21,13 @@ uniform random, the last two thirds of the text labelled):
 * ``cached_padded``  the same padded batches, features read from the cache (isolates the encoder's cost).
                      This is what stitch runs for models whose ModelSpec says ``supports_packing=False``.
 * ``packed``         stitch: cached features, ``--rows`` packs of ``--budget`` tokens per step.
+* ``stock``          plain transformers on the same LM and LoRA: ``--rows`` causal rows of ``--budget`` random
+                     tokens, ``lm(inputs_embeds=..., labels=...)`` with ``--attn`` (sdpa), every token labelled.
+                     The speed the model reaches on the same number of tokens with no packing at all.
+
+Every run prints and writes stitch ÷ stock and stitch ÷ baseline (``ratio_stitch_as_shipped_vs_*``), and
+``model.packing_parity``: one packed row's loss against the same samples one per padded row, plus a leaky control
+(the same packed row with the sample starts dropped), which must differ.
 
 Reported per mode: real (non-padding) tokens/s, MFU, peak memory (torch max_memory_allocated), padding share.
 MFU = FLOPs / step time / 989e12 (H200 bf16 dense peak), two ways:

@@ -244,3 +244,20 @@ def test_bf16_lm_trains_lora_and_projector_in_bf16_on_fp32_master_weights():
     before = {n: p.detach().clone() for n, p in trainable.items()}
     torch.optim.SGD(trainable.values(), lr=1e-7).step()
     assert all(not torch.equal(before[n], p) for n, p in trainable.items() if p.grad.abs().max() > 0)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and cross_entropy._liger_loss() is not None),
+                    reason="needs CUDA and liger-kernel")
+def test_liger_fused_cross_entropy_equals_the_chunked_path_on_a_gpu():
+    torch.manual_seed(0)
+    hidden = torch.randn(600, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    head = torch.nn.Linear(64, 1000, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    target = torch.randint(0, 1000, (600,), device="cuda")
+    assert cross_entropy.uses_liger(hidden)
+    fused = cross_entropy.linear_cross_entropy(hidden, head, target)
+    fused.backward()
+    fused_grad, hidden.grad = hidden.grad.float(), None
+    chunked = cross_entropy.ChunkedLinearCrossEntropy.apply(hidden, head.weight, None, target, -100, 128)
+    chunked.backward()
+    assert abs(float(fused) - float(chunked)) < 1e-3 * abs(float(chunked))
+    assert torch.nn.functional.cosine_similarity(fused_grad.flatten(), hidden.grad.float().flatten(), dim=0) > 0.999

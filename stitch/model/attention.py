@@ -72,7 +72,7 @@ def attend_flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         longest: int, scaling: float | None) -> torch.Tensor:
     """torch's varlen flash attention, causal within each sample. q [1, H, N, D], k/v [1, Hkv, N, D] -> [1, H, N, D]."""
     varlen_attn, takes_gqa = _varlen_attn()
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, D]
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, D]
     groups = q.shape[1] // k.shape[1]
     extra: dict[str, Any] = {}
     if groups > 1 and takes_gqa:
