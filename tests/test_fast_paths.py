@@ -197,6 +197,17 @@ def test_flash_varlen_equals_per_sample_sdpa_on_a_gpu():
     fast = attention.attend_flash_varlen(q, k, v, cu, 123, None).float()
     ref = attention.attend_per_sample(q, k, v, cu, None).float()
     assert (fast - ref).abs().max() < 2e-2
+    # the same with the kv heads repeated by hand: fewer kv heads are shared as SDPA shares them
+    rep = attention.attend_flash_varlen(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), cu, 123, None)
+    assert (rep.float() - ref).abs().max() < 2e-2
+    # gradients (kv heads shared) match per-sample SDPA's too
+    grads = []
+    for attend in (lambda *a: attention.attend_flash_varlen(*a, 123, None), lambda *a: attention.attend_per_sample(*a, None)):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        attend(*leaves, cu).float().square().sum().backward()
+        grads.append([t.grad.float() for t in leaves])
+    for got, want in zip(*grads, strict=True):
+        assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
 
 
 def test_bf16_lm_trains_lora_and_projector_in_bf16_on_fp32_master_weights():

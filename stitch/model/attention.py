@@ -39,6 +39,9 @@ def packed_call() -> Iterator[None]:
         _PACKED_CALL.reset(token)
 
 
+_NATIVE_GQA: dict[str, bool | None] = {"ok": None}  # whether this torch's varlen_attn took fewer kv heads
+
+
 @functools.cache
 def _varlen_attn() -> tuple[Callable | None, bool]:
     """torch's varlen flash attention (None where this torch has none) and whether it takes ``enable_gqa``."""
@@ -74,13 +77,27 @@ def attend_flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     varlen_attn, takes_gqa = _varlen_attn()
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, D]
     groups = q.shape[1] // k.shape[1]
-    extra: dict[str, Any] = {}
-    if groups > 1 and takes_gqa:
-        extra["enable_gqa"] = True
-    elif groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), **extra)
+
+    def call(k: torch.Tensor, v: torch.Tensor, **extra: Any) -> torch.Tensor:
+        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), **extra)
+
+    if groups == 1:
+        out = call(k, v)
+    elif takes_gqa:
+        out = call(k, v, enable_gqa=True)
+    else:
+        # torch 2.11's wrapper has no enable_gqa; its flash kernel shares kv heads natively (head h reads kv head
+        # h // groups, as repeat_interleave lays them out). Where a build refuses, the heads are repeated.
+        out = None
+        if _NATIVE_GQA["ok"] is not False:
+            try:
+                out = call(k, v)
+                _NATIVE_GQA["ok"] = True
+            except (RuntimeError, ValueError):
+                _NATIVE_GQA["ok"] = False
+        if out is None:
+            out = call(k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
     return out.transpose(0, 1).unsqueeze(0)
 
 
