@@ -108,18 +108,25 @@ def test_packed_loss_and_grads_equal_per_sample_rows_while_attention_across_samp
     assert abs(float(leaky) - loss_alone) > 1e-4 * abs(loss_alone)
 
 
-def test_packed_call_builds_no_block_mask_and_attends_sample_by_sample_on_cpu(monkeypatch):
+def attention_layers(model: StitchedModel) -> int:
+    config = model.lm.config.get_text_config()
+    kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    return sum(kind in ("full_attention", "attention") for kind in kinds)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_packed_call_builds_no_block_mask_and_every_attention_layer_attends_sample_by_sample(name, monkeypatch):
     import transformers.masking_utils as masking
 
-    model = build("qwen3.5-demo")
+    model = build(name)
     built, calls = [], []
     real_mask, real_attend = masking.sdpa_mask, attention.attend_per_sample
     monkeypatch.setattr(masking, "sdpa_mask", lambda *a, **k: built.append(1) or real_mask(*a, **k))
     monkeypatch.setattr(attention, "attend_per_sample", lambda *a, **k: calls.append(a[3]) or real_attend(*a, **k))
     pack = samples(model)
     model.loss(collate_packs([pack], pad_id=0, packed=True, length=60))
-    layers = model.lm.config.get_text_config().layer_types.count("full_attention")
-    assert built == [] and len(calls) == layers
+    layers = attention_layers(model)
+    assert layers > 0 and built == [] and len(calls) == layers
     lengths = [len(s) for s in pack]
     assert calls[0].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist(), 60]  # the padding is its own span
     model.loss(collate_packs([[s] for s in pack], pad_id=0, packed=False))  # padded rows: SDPA with its mask
