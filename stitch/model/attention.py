@@ -63,7 +63,7 @@ def attend_per_sample(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """Causal SDPA of each sample on its own. q [1, H, N, D], k/v [1, Hkv, N, D] -> [1, H, N, D]."""
     bounds = cu_seqlens.tolist()
     groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # repeated heads: CPU SDPA's fused kernel takes no GQA
+    if groups > 1:  # grouped-query attention: each kv head serves ``groups`` query heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     parts = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
                                             scale=scaling, dropout_p=dropout)

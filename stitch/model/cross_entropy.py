@@ -35,14 +35,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             keep = t != ignore_index
             # the same logits as the reference: the head in the model's dtype, then fp32
             logits = F.linear(h, weight, bias).float()
-            total += F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum")
+            lse = torch.logsumexp(logits, dim=-1)
+            index = t.clamp_min(0)[:, None]  # ignored rows pick any logit and are masked out
+            total += ((lse - logits.gather(1, index).squeeze(1)) * keep).sum()
             if grad_h is None and grad_w is None and grad_b is None:
                 continue
-            # d(sum CE)/d logits = softmax - one_hot, zero on ignored rows; cast as autograd casts it (to the head's
-            # output dtype) before the head's backward
-            # (no boolean indexing: it would sync with a GPU every chunk)
-            grad = torch.softmax(logits, dim=-1)
-            grad.scatter_add_(1, t.clamp_min(0)[:, None], torch.full_like(grad[:, :1], -1.0))
+            # d(sum CE)/d logits = softmax - one_hot, zero on ignored rows, cast as autograd casts it (to the head's
+            # output dtype) before the head's backward. The softmax overwrites the logits (one fp32 chunk alive),
+            # and no boolean indexing (it would sync with a GPU every chunk).
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad.scatter_add_(1, index, torch.full_like(grad[:, :1], -1.0))
             grad = (grad * keep[:, None]).to(h.dtype)
             if grad_h is not None:
                 grad_h[start:start + chunk] = grad @ weight
