@@ -45,7 +45,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             # and no boolean indexing (it would sync with a GPU every chunk).
             grad = logits.sub_(lse[:, None]).exp_()
             grad.scatter_add_(1, index, torch.full_like(grad[:, :1], -1.0))
-            grad = (grad * keep[:, None]).to(h.dtype)
+            grad = grad.mul_(keep[:, None]).to(h.dtype)
             if grad_h is not None:
                 grad_h[start:start + chunk] = grad @ weight
             if grad_w is not None:
@@ -63,7 +63,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         has_h, has_w, has_b = ctx.has
         scale = grad_out.float()
-        out_h = (grad_h * scale.to(grad_h.dtype)) if has_h else None
+        out_h = (grad_h.float() * scale).to(grad_h.dtype) if has_h else None
         out_w = (grad_w * scale).to(ctx.dtypes[0]) if has_w else None
         out_b = (grad_b * scale).to(ctx.dtypes[1]) if has_b else None
         return out_h, out_w, out_b, None, None, None
