@@ -290,6 +290,7 @@ def build_stitched(shape: str, args, host, device):
         "architecture": cls.__name__,
         "attn_implementation": lm.get_base_model().config._attn_implementation,
         "packed_attention": packed_attention_path(device, lm),
+        "half_compute": model.half_compute,
         "loss_path": "liger fused linear CE" if uses_liger(torch.empty(0, device=device)) else "chunked linear CE",
         "model_spec": spec_name,
         "supports_packing": spec.packs(),
@@ -450,10 +451,19 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
     """Plain transformers on the same LM and LoRA: one causal row of ``--budget`` tokens per step (``--rows`` rows),
     ``lm(inputs_embeds=..., labels=...)`` with the attention implementation the LM was built with, then the same
     clip + AdamW. No projector, no packing: the reference speed for the same number of tokens."""
+    from stitch.model.precision import HalfComputeLinear, lora_in_half_compute
+
     lm = model.lm
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     shipped_attn = base.config._attn_implementation
     base.set_attn_implementation(args.attn)  # stitch switched it to stitch_varlen; stock runs what it was built with
+    # and peft's own adapter compute (fp32 LoRA weights, activations cast to them), which StitchedModel replaced
+    swapped = [m for m in lm.modules() if isinstance(m, HalfComputeLinear)]
+    for module in swapped:
+        module.__class__ = torch.nn.Linear
+    casting = [m for m in lm.modules() if getattr(m, "cast_input_dtype_enabled", True) is False]
+    for module in casting:
+        module.cast_input_dtype_enabled = True
     gen = torch.Generator().manual_seed(1)
     vocab = info["vocab_size"]
     times, warm = [], []
@@ -473,6 +483,8 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
             (warm if step < args.warmup else times).append(time.perf_counter() - t0)
     finally:
         base.set_attn_implementation(shipped_attn)
+        if swapped:
+            lora_in_half_compute(lm)
     total, tokens = sum(times), args.rows * args.budget
     tokens_per_s = tokens * len(times) / total
     return {
@@ -489,7 +501,9 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
         "last_loss": round(float(loss.detach()), 4),
         "warmup_step_s": [round(t, 3) for t in warm],
         "step_s": [round(t, 4) for t in times],
-        "note": "transformers' own forward + loss on one causal row per step (no image tokens, every token labelled)",
+        "note": "transformers' own forward + loss on one causal row per step (no image tokens, every token "
+                "labelled), peft's own LoRA compute",
+        "lora_compute": "peft default (fp32 adapter weights)" if swapped or casting else "as built",
     }
 
 
