@@ -46,6 +46,7 @@ def machine_info() -> dict[str, Any]:
         "fla-core",
         "mamba-ssm",
         "causal-conv1d",
+        "liger-kernel",
         "pillow",
         "safetensors",
     ):

@@ -1,9 +1,11 @@
 """SFT step throughput: stitch (cached features + token-budget packing) against an encoder-in-the-loop,
 pad-to-longest baseline, same LM, LoRA, optimizer, samples and GPU, in one run (issue 7, part 2).
 
-Every mode runs stitch's own code path: ``StitchedModel.loss`` (embed -> projector -> scatter -> LM ->
-next-token CE), ``collate_packs``, ``PackedStream`` (next-fit packing over a bounded shuffle buffer, position
-ids reset per sample, ``attention_mask=None`` -> block-causal), the projector from the ``projectors`` registry
+Every stitch mode runs stitch's shipped code path with its defaults: ``StitchedModel.loss`` (embed -> projector ->
+scatter -> LM -> chunked LM head + next-token CE over labelled tokens, liger-kernel's fused linear CE on CUDA when
+installed), ``collate_packs``, ``PackedStream`` (next-fit packing over a bounded shuffle buffer, position ids reset
+per sample; the LM runs the ``stitch_varlen`` attention, so each sample attends only within itself: torch's varlen
+flash attention on CUDA, no block mask), bf16 LoRA/projector compute on fp32 master weights, the projector from the ``projectors`` registry
 (``mlp2x_gelu``) and LoRA r=16 / alpha 32 on the model plugin's ``lora_target_modules`` (as
 ``ModelBinding.build_model`` does). One training step = collate + fwd + bwd + grad clip + AdamW step
 (projector lr 1e-3, adapter lr 3e-3, as ``stitch.stages.supervised`` via the stage loop). Weights are random-init, built in code from
@@ -19,6 +21,13 @@ uniform random, the last two thirds of the text labelled):
 * ``cached_padded``  the same padded batches, features read from the cache (isolates the encoder's cost).
                      This is what stitch runs for models whose ModelSpec says ``supports_packing=False``.
 * ``packed``         stitch: cached features, ``--rows`` packs of ``--budget`` tokens per step.
+* ``stock``          plain transformers on the same LM and LoRA: ``--rows`` causal rows of ``--budget`` random
+                     tokens, ``lm(inputs_embeds=..., labels=...)`` with ``--attn`` (sdpa), every token labelled.
+                     The speed the model reaches on the same number of tokens with no packing at all.
+
+Every run prints and writes stitch ÷ stock and stitch ÷ baseline (``ratio_stitch_as_shipped_vs_*``), and
+``model.packing_parity``: one packed row's loss against the same samples one per padded row, plus a leaky control
+(the same packed row with the sample starts dropped), which must differ.
 
 Reported per mode: real (non-padding) tokens/s, MFU, peak memory (torch max_memory_allocated), padding share.
 MFU = FLOPs / step time / 989e12 (H200 bf16 dense peak), two ways:
@@ -219,9 +228,20 @@ def write_manifest(n: int, folder: Path) -> Path:
 # -- the run --------------------------------------------------------------------------------------------------
 
 
+def packed_attention_path(device, lm) -> str:
+    from stitch.model.attention import _varlen_attn, runs_varlen_attention
+
+    if not runs_varlen_attention(lm):
+        return f"{lm.get_base_model().config._attn_implementation} (block mask)"
+    if device.type == "cuda" and _varlen_attn()[0] is not None:
+        return "stitch_varlen: torch varlen_attn (flash), per-sample starts"
+    return "stitch_varlen: causal SDPA per sample"
+
+
 def build_stitched(shape: str, args, host, device):
     from peft import LoraConfig, get_peft_model
 
+    from stitch.model.cross_entropy import uses_liger
     from stitch.model.stitched import StitchedModel
 
     cls, cfg, spec_name = build_lm(shape, args.smoke)
@@ -268,7 +288,10 @@ def build_stitched(shape: str, args, host, device):
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     info = {
         "architecture": cls.__name__,
-        "attn_implementation": lm.config._attn_implementation,
+        "attn_implementation": lm.get_base_model().config._attn_implementation,
+        "packed_attention": packed_attention_path(device, lm),
+        "half_compute": model.half_compute,
+        "loss_path": "liger fused linear CE" if uses_liger(torch.empty(0, device=device)) else "chunked linear CE",
         "model_spec": spec_name,
         "supports_packing": spec.packs(),
         "recurrent_layers_path": kernel_path,
@@ -424,6 +447,66 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
     return result
 
 
+def run_stock(model, optimizer, groups, args, info, device) -> dict:
+    """Plain transformers on the same LM and LoRA: one causal row of ``--budget`` tokens per step (``--rows`` rows),
+    ``lm(inputs_embeds=..., labels=...)`` with the attention implementation the LM was built with, then the same
+    clip + AdamW. No projector, no packing: the reference speed for the same number of tokens."""
+    from stitch.model.precision import HalfComputeLinear, lora_in_half_compute
+
+    lm = model.lm
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    shipped_attn = base.config._attn_implementation
+    base.set_attn_implementation(args.attn)  # stitch switched it to stitch_varlen; stock runs what it was built with
+    # and peft's own adapter compute (fp32 LoRA weights, activations cast to them), which StitchedModel replaced
+    swapped = [m for m in lm.modules() if isinstance(m, HalfComputeLinear)]
+    for module in swapped:
+        module.__class__ = torch.nn.Linear
+    casting = [m for m in lm.modules() if getattr(m, "cast_input_dtype_enabled", True) is False]
+    for module in casting:
+        module.cast_input_dtype_enabled = True
+    gen = torch.Generator().manual_seed(1)
+    vocab = info["vocab_size"]
+    times, warm = [], []
+    reset_peak()
+    model.train()
+    try:
+        for step in range(args.warmup + args.steps):
+            ids = torch.randint(16, vocab - 16, (args.rows, args.budget), generator=gen).to(device)
+            t0 = time.perf_counter()
+            embeds = lm.get_input_embeddings()(ids)
+            loss = lm(inputs_embeds=embeds, labels=ids, use_cache=False).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+            optimizer.step()
+            sync()
+            (warm if step < args.warmup else times).append(time.perf_counter() - t0)
+    finally:
+        base.set_attn_implementation(shipped_attn)
+        if swapped:
+            lora_in_half_compute(lm)
+    total, tokens = sum(times), args.rows * args.budget
+    tokens_per_s = tokens * len(times) / total
+    return {
+        "mode": "stock",
+        "steps": len(times),
+        "tokens_per_s": round(tokens_per_s, 1),
+        "step_s_mean": round(total / len(times), 4),
+        "step_s_min": round(min(times), 4),
+        "real_tokens_per_step": tokens,
+        "padding_share": 0.0,
+        "attn_implementation": args.attn,
+        "mfu_6n": round(6 * info["params_matmul_N"] * tokens_per_s / H200_BF16_DENSE_PEAK, 4),
+        "peak_gib": peak_gib(),
+        "last_loss": round(float(loss.detach()), 4),
+        "warmup_step_s": [round(t, 3) for t in warm],
+        "step_s": [round(t, 4) for t in times],
+        "note": "transformers' own forward + loss on one causal row per step (no image tokens, every token "
+                "labelled), peft's own LoRA compute",
+        "lora_compute": "peft default (fp32 adapter weights)" if swapped or casting else "as built",
+    }
+
+
 def profile_steps(one_step, steps: int, top: int = 30) -> dict:
     """torch.profiler over ``steps`` more steps: per-step device time by kernel (top ``top``) and in total."""
     from torch.profiler import ProfilerActivity, profile
@@ -466,22 +549,37 @@ def mamba2_parity(model) -> dict:
 
 
 def packing_parity(model, samples, budget: int, device) -> dict:
-    """Loss of one packed row against the same samples one per padded row (a hybrid must keep them apart)."""
+    """Loss of one packed row against the same samples one per padded row, and a leaky control: the packed row
+    with the sample starts dropped (plain causal attention and recurrence over the whole row)."""
     from stitch.data.packing import collate_packs
+    from stitch.model import stitched
 
     pack, used = [], 0
     for s in samples:
         if used + len(s) > budget:
-            break
+            continue
         pack.append(s)
         used += len(s)
     packed = collate_packs([pack], 0, packed=True, length=budget).to(device)
     unpacked = collate_packs([[s] for s in pack], 0, packed=False).to(device)
+    real_kwargs = stitched.varlen_kwargs
+
+    def one_span(pos):
+        cu = torch.tensor([0, pos.numel()], device=pos.device, dtype=torch.int32)
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": pos.numel(), "max_length_k": pos.numel()}
+
     with torch.no_grad():
         lp, n_p = model.loss(packed)
         lu, n_u = model.loss(unpacked)
+        stitched.varlen_kwargs = one_span
+        try:
+            leaky = float(model.loss(packed)[0]) if model.varlen_attention else None
+        finally:
+            stitched.varlen_kwargs = real_kwargs
     return {"samples": len(pack), "labels": [n_p, n_u], "packed_loss": float(lp), "unpacked_loss": float(lu),
-            "relative_diff": abs(float(lp) - float(lu)) / abs(float(lu))}
+            "relative_diff": abs(float(lp) - float(lu)) / abs(float(lu)),
+            "leaky_control_loss": leaky,
+            "leaky_relative_diff": None if leaky is None else abs(leaky - float(lu)) / abs(float(lu))}
 
 
 def run_shape(shape: str, args, host, device, save=None) -> dict:
@@ -494,13 +592,16 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
     samples, pixels = make_samples(
         args.samples, info["vocab_size"], ids, args.text_min, args.text_max, 0, args.pixel_pool, args.smoke
     )
-    if shape != "dense4b":  # hybrids: near 0 when the kernels keep samples apart, the leak otherwise
-        info["packing_parity"] = packing_parity(model, samples, args.budget, device)
+    # near 0 when attention (and a hybrid's recurrent layers) keep samples apart; the leaky control shows the gap
+    info["packing_parity"] = packing_parity(model, samples, args.budget, device)
     log(json.dumps(info))
     modes = {}
     for mode in args.modes.split(","):
         try:
-            modes[mode] = run_mode(mode, model, optimizer, groups, samples, pixels, args, ids, info, device)
+            if mode == "stock":
+                modes[mode] = run_stock(model, optimizer, groups, args, info, device)
+            else:
+                modes[mode] = run_mode(mode, model, optimizer, groups, samples, pixels, args, ids, info, device)
         except torch.OutOfMemoryError as exc:
             modes[mode] = {"mode": mode, "error": f"OOM: {str(exc)[:300]}"}
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -527,13 +628,20 @@ def summarize(info: dict, modes: dict) -> dict:
         }
         if modes.get(shipped, {}).get("tokens_per_s"):
             out["ratio_stitch_as_shipped_vs_baseline"] = round(modes[shipped]["tokens_per_s"] / base, 3)
+    stock = modes.get("stock", {}).get("tokens_per_s")
+    if stock:
+        out["ratios_vs_stock"] = {
+            m: round(r["tokens_per_s"] / stock, 3) for m, r in modes.items() if r.get("tokens_per_s")
+        }
+        if modes.get(shipped, {}).get("tokens_per_s"):
+            out["ratio_stitch_as_shipped_vs_stock"] = round(modes[shipped]["tokens_per_s"] / stock, 3)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="dense4b,qwen35_4b")
-    ap.add_argument("--modes", default="packed,cached_padded,baseline")
+    ap.add_argument("--modes", default="packed,cached_padded,baseline,stock")
     ap.add_argument("--budget", type=int, default=4096, help="tokens per pack")
     ap.add_argument("--rows", type=int, default=1, help="packs per step")
     ap.add_argument("--baseline-batch", type=int, default=16, help="samples per padded step")
@@ -583,7 +691,10 @@ def main() -> None:
                 name, {"config": vars(args), "kernels": kernels, **partial, "targets": targets}, args.out
             )
 
-        run_shape(shape, args, host, device, save)
+        result = run_shape(shape, args, host, device, save)
+        shipped = result["stitch_as_shipped_mode"]
+        log(f"{shape}: stitch ({shipped}) / stock = {result.get('ratio_stitch_as_shipped_vs_stock')}, "
+            f"stitch / baseline = {result.get('ratio_stitch_as_shipped_vs_baseline')}")
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 

@@ -8,15 +8,36 @@ from typing import Any
 import torch
 from torch import nn
 
+from stitch.model.attention import packed_call, use_varlen_attention
+from stitch.model.cross_entropy import linear_cross_entropy
+from stitch.model.precision import HALF, lora_in_half_compute, projector_in_half_compute
 from stitch.model.scatter import scatter_soft_tokens
+from stitch.model.varlen import varlen_kwargs
+
+# config fields that make logits more than ``lm_head(hidden)``: such models take the full-logits loss
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
+                     "output_multiplier_scale")
 
 
 class StitchedModel(nn.Module):
+    """``loss`` is the training path: packed rows attend within their sample (``stitch.model.attention``) and the
+    LM head + cross-entropy run in chunks (``stitch.model.cross_entropy``); ``logits`` gives the full logits. With a
+    bf16/fp16 LM the LoRA adapter and the projector compute in that dtype on fp32 master weights
+    (``stitch.model.precision``)."""
+
     def __init__(self, lm: nn.Module, projector: nn.Module, placeholder_id: int) -> None:
         super().__init__()
         self.lm = lm
         self.projector = projector
         self.placeholder_id = placeholder_id
+        # packed rows cost the sum of squared sample lengths, not the row length squared; padded batches and
+        # generation run the SDPA they ran before
+        self.varlen_attention = use_varlen_attention(lm)
+        lm_dtype = lm.get_input_embeddings().weight.dtype
+        self.half_compute = {"lora_layers": 0, "projector": False}
+        if lm_dtype in HALF:
+            self.half_compute = {"lora_layers": lora_in_half_compute(lm), "projector": projector_in_half_compute(projector)}
+        self._projector_input_dtype = lm_dtype if self.half_compute["projector"] else None
 
     @property
     def device(self) -> torch.device:
@@ -27,7 +48,8 @@ class StitchedModel(nn.Module):
         embeds = self.lm.get_input_embeddings()(input_ids)
         if features.numel() == 0:
             return embeds
-        soft = self.projector(features.to(device=embeds.device, dtype=next(self.projector.parameters()).dtype))
+        dtype = self._projector_input_dtype or next(self.projector.parameters()).dtype
+        soft = self.projector(features.to(device=embeds.device, dtype=dtype))
         return scatter_soft_tokens(
             embeds, input_ids, soft.reshape(-1, soft.shape[-1]).to(embeds.dtype), self.placeholder_id,
             row_ids=row_ids,
@@ -36,22 +58,57 @@ class StitchedModel(nn.Module):
     def forward(self, batch: Any) -> torch.Tensor:
         return self.logits(batch)
 
-    def logits(self, batch: Any) -> torch.Tensor:
+    def _causal_lm(self) -> nn.Module:
+        return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+
+    def _run(self, module: nn.Module, batch: Any) -> tuple[Any, tuple[int, int] | None]:
+        """``module`` (the LM or its decoder) on the batch; packed rows go as one row carrying the sample starts."""
         embeds = self.embed(batch.input_ids, batch.features, batch.row_ids)
-        out = self.lm(
-            inputs_embeds=embeds,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            use_cache=False,
-        )
-        return out.logits
+        pos = batch.position_ids
+        if not self.varlen_attention or batch.attention_mask is not None or pos is None or pos.dim() != 2:
+            out = module(inputs_embeds=embeds, attention_mask=batch.attention_mask, position_ids=pos, use_cache=False)
+            return out, None
+        rows, width = pos.shape
+        with packed_call():
+            out = module(inputs_embeds=embeds.reshape(1, rows * width, -1), attention_mask=None,
+                         position_ids=pos.reshape(1, rows * width), use_cache=False, **varlen_kwargs(pos))
+        return out, (rows, width)
+
+    def logits(self, batch: Any) -> torch.Tensor:
+        out, shape = self._run(self.lm, batch)
+        return out.logits if shape is None else out.logits.reshape(*shape, -1)
+
+    def hidden_states(self, batch: Any) -> torch.Tensor:
+        """The decoder's last hidden states (after its final norm), [rows, length, hidden]."""
+        out, shape = self._run(self._causal_lm().get_decoder(), batch)
+        hidden = out.last_hidden_state
+        return hidden if shape is None else hidden.reshape(*shape, -1)
+
+    def _plain_head(self) -> nn.Linear | None:
+        """The LM head when logits are exactly ``head(hidden)`` (so the chunked loss applies), else None."""
+        causal = self._causal_lm()
+        head = causal.get_output_embeddings() if hasattr(causal, "get_output_embeddings") else None
+        config = causal.config.get_text_config() if hasattr(causal, "config") else None
+        if type(head) is not nn.Linear or config is None or not hasattr(causal, "get_decoder"):
+            return None
+        if any(getattr(config, field, None) not in (None, 1, 1.0) for field in _LOGIT_TRANSFORMS):
+            return None
+        return head
 
     def loss(self, batch: Any) -> tuple[torch.Tensor, int]:
-        """Mean next-token cross-entropy over labelled tokens; returns (loss, labelled token count)."""
-        logits = self.logits(batch)[:, :-1].float()
+        """Mean next-token cross-entropy over labelled tokens; returns (loss, labelled token count).
+
+        Logits are fp32 as before, but only for labelled tokens and one chunk at a time."""
         target = batch.labels[:, 1:]
-        n = int((target != -100).sum())
-        loss = nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
-        )
+        keep = target != -100
+        n = int(keep.sum())
+        head = self._plain_head()
+        if head is None:
+            logits = self.logits(batch)[:, :-1].float()
+            loss = nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
+            )
+            return loss / max(n, 1), n
+        hidden = self.hidden_states(batch)[:, :-1]
+        loss = linear_cross_entropy(hidden[keep], head, target[keep])
         return loss / max(n, 1), n

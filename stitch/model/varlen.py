@@ -1,7 +1,7 @@
 """Sample boundaries for packed rows in recurrent layers: the pieces every hybrid model binding shares.
 
-Attention layers keep packed samples apart through the block-causal mask transformers derives from position-id
-resets. Recurrent layers (Gated DeltaNet, Mamba-2) and their short causal convolutions need the sample starts
+Attention layers keep packed samples apart through ``stitch_varlen`` (``stitch.model.attention``), which
+``StitchedModel`` feeds these same sample starts. Recurrent layers (Gated DeltaNet, Mamba-2) and their short causal convolutions need the sample starts
 (``cu_seqlens``) instead, and fla's varlen kernels take them for one flattened row. This module finds whether fla's
 kernels run here, turns position ids into ``cu_seqlens``, flattens packed rows into one for a decoder, and runs a
 depthwise causal conv per sample (fla on a GPU, a PyTorch reference otherwise).

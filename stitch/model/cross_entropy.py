@@ -1,0 +1,94 @@
+"""Next-token cross-entropy from hidden states without a [tokens, vocab] fp32 logits tensor.
+
+The LM head and the loss run over chunks of tokens; the gradient of each chunk is computed in the forward pass
+(the fused linear cross-entropy trick), so at most one chunk of logits is alive. liger-kernel's fused kernel runs
+instead on CUDA where it is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# tokens per chunk: 4,096 x 151,936 fp32 logits are 2.3 GiB; a 1,024-token chunk is a quarter of that
+CHUNK_TOKENS = 1024
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Summed CE of ``hidden @ weight.T (+ bias)`` against ``target``, logits in fp32 one chunk at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                target: torch.Tensor, ignore_index: int, chunk: int) -> torch.Tensor:
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start:start + chunk]
+            t = target[start:start + chunk]
+            keep = t != ignore_index
+            # the same logits as the reference: the head in the model's dtype, then fp32
+            logits = F.linear(h, weight, bias).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            index = t.clamp_min(0)[:, None]  # ignored rows pick any logit and are masked out
+            total += ((lse - logits.gather(1, index).squeeze(1)) * keep).sum()
+            if grad_h is None and grad_w is None and grad_b is None:
+                continue
+            # d(sum CE)/d logits = softmax - one_hot, zero on ignored rows, cast as autograd casts it (to the head's
+            # output dtype) before the head's backward. The softmax overwrites the logits (one fp32 chunk alive),
+            # and no boolean indexing (it would sync with a GPU every chunk).
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad.scatter_add_(1, index, torch.full_like(grad[:, :1], -1.0))
+            grad = grad.mul_(keep[:, None]).to(h.dtype)
+            if grad_h is not None:
+                grad_h[start:start + chunk] = grad @ weight
+            if grad_w is not None:
+                grad_w += (grad.t() @ h).float()
+            if grad_b is not None:
+                grad_b += grad.float().sum(0)
+            del logits, grad
+        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_h, grad_w, grad_b)))
+        ctx.has = (grad_h is not None, grad_w is not None, grad_b is not None)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        has_h, has_w, has_b = ctx.has
+        scale = grad_out.float()
+        out_h = (grad_h.float() * scale).to(grad_h.dtype) if has_h else None
+        out_w = (grad_w * scale).to(ctx.dtypes[0]) if has_w else None
+        out_b = (grad_b * scale).to(ctx.dtypes[1]) if has_b else None
+        return out_h, out_w, out_b, None, None, None
+
+
+@functools.cache
+def _liger_loss() -> Any:
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except Exception:  # noqa: BLE001 - an installed but broken liger falls back to the chunked path
+        return None
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="sum")
+
+
+def uses_liger(hidden: torch.Tensor) -> bool:
+    """Whether ``linear_cross_entropy`` runs liger-kernel's fused kernel for these hidden states."""
+    return hidden.is_cuda and _liger_loss() is not None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, target: torch.Tensor,
+                         chunk: int | None = None) -> torch.Tensor:
+    """Summed CE of ``head(hidden)`` (hidden [N, H], target [N], -100 ignored) in fp32, never holding all logits."""
+    if uses_liger(hidden):
+        out = _liger_loss()(head.weight, hidden, target, head.bias)
+        return (out[0] if isinstance(out, tuple) else out).float()
+    return ChunkedLinearCrossEntropy.apply(hidden, head.weight, head.bias, target, -100, chunk or CHUNK_TOKENS)

@@ -1,0 +1,281 @@
+"""StitchedModel's fast training path computes what the reference path computes.
+
+Packed rows attend within each sample only (``stitch_varlen``) and give the loss and gradients of the same samples one
+per padded row; the chunked LM head + cross-entropy gives the loss and gradients of full fp32 logits; generation and
+padded batches are unchanged by the attention switch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from stitch.data.packing import Sample, collate_packs
+from stitch.model import attention, cross_entropy
+from stitch.model import stitched as stitched_module
+from stitch.model.loading import load_model
+from stitch.model.stitched import StitchedModel
+from stitch.plugins.host import load_plugins
+
+PRESETS = ["qwen3.5-demo", "qwen3.5-tiny", "nemotron-nano-tiny"]
+FEATURE_WIDTH = 16
+IMAGE_TOKENS = 3
+
+
+def build(name: str, seed: int = 0) -> StitchedModel:
+    """A tiny preset in fp32 with a LoRA adapter (non-zero B, so it acts) and a projector; hybrids get the sample-start
+    path their loaders install (stitch's PyTorch reference on CPU)."""
+    from peft import LoraConfig, get_peft_model
+
+    host = load_plugins()
+    spec = host.get("models", name)
+    lm = load_model(spec, dtype=torch.float32)
+    lm.requires_grad_(False)
+    if name == "qwen3.5-tiny":
+        from stitch_qwen.kernels import use_varlen
+
+        use_varlen(lm)
+    elif name == "nemotron-nano-tiny":
+        from stitch_nemotron.kernels import use_varlen
+
+        use_varlen(lm)
+    torch.manual_seed(seed)
+    lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=list(spec.lora_target_modules),
+                                       init_lora_weights=False))
+    hidden = lm.config.get_text_config().hidden_size
+    projector = host.get("projectors", "mlp2x_gelu").build(FEATURE_WIDTH, hidden)
+    placeholder = lm.config.get_text_config().vocab_size - 1
+    return StitchedModel(lm, projector, placeholder)
+
+
+def samples(model: StitchedModel, n: int = 4, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        text = [rng.randrange(3, 200) for _ in range(rng.randint(5, 14))]
+        ids = [model.placeholder_id] * IMAGE_TOKENS + text
+        labels = [-100] * (IMAGE_TOKENS + 2) + text[2:]
+        out.append(Sample(f"s{i}", ids, labels, torch.randn(1, IMAGE_TOKENS, FEATURE_WIDTH, generator=gen)))
+    return out
+
+
+def loss_and_grads(model: StitchedModel, batch, loss_fn=None) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss, _ = (loss_fn or model.loss)(batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for g in grads.values())
+    return float(loss.detach()), grads
+
+
+def reference_loss(model: StitchedModel, batch) -> tuple[torch.Tensor, int]:
+    """The loss as StitchedModel computed it before: full logits in fp32, one cross-entropy."""
+    logits = model.logits(batch)[:, :-1].float()
+    target = batch.labels[:, 1:]
+    n = int((target != -100).sum())
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+    return loss / n, n
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_packed_loss_and_grads_equal_per_sample_rows_while_attention_across_samples_differs(name, monkeypatch):
+    model = build(name)
+    assert model.varlen_attention and attention.runs_varlen_attention(model.lm)
+    pack = samples(model)
+    packed = collate_packs([pack[:3], pack[3:]], pad_id=0, packed=True)
+    alone = collate_packs([[s] for s in pack], pad_id=0, packed=False)
+    loss_packed, grads_packed = loss_and_grads(model, packed)
+    loss_alone, grads_alone = loss_and_grads(model, alone)
+    assert abs(loss_packed - loss_alone) < 1e-5 * abs(loss_alone)
+    assert max_rel_diff(grads_packed, grads_alone) < 1e-4
+
+    # leaky control: the same packed rows with one "sample" per row, i.e. plain causal attention over the row
+    def one_span_per_row(pos):
+        rows, width = pos.shape
+        cu = torch.arange(rows + 1, dtype=torch.int32) * width
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": width, "max_length_k": width}
+
+    monkeypatch.setattr(stitched_module, "varlen_kwargs", one_span_per_row)
+    leaky, _ = model.loss(packed)
+    assert abs(float(leaky) - loss_alone) > 1e-4 * abs(loss_alone)
+
+
+def attention_layers(model: StitchedModel) -> int:
+    config = model.lm.config.get_text_config()
+    kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    return sum(kind in ("full_attention", "attention") for kind in kinds)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_packed_call_builds_no_block_mask_and_every_attention_layer_attends_sample_by_sample(name, monkeypatch):
+    import transformers.masking_utils as masking
+
+    model = build(name)
+    built, calls = [], []
+    real_mask, real_attend = masking.sdpa_mask, attention.attend_per_sample
+    monkeypatch.setattr(masking, "sdpa_mask", lambda *a, **k: built.append(1) or real_mask(*a, **k))
+    monkeypatch.setattr(attention, "attend_per_sample", lambda *a, **k: calls.append(a[3]) or real_attend(*a, **k))
+    pack = samples(model)
+    model.loss(collate_packs([pack], pad_id=0, packed=True, length=60))
+    layers = attention_layers(model)
+    assert layers > 0 and built == [] and len(calls) == layers
+    lengths = [len(s) for s in pack]
+    assert calls[0].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist(), 60]  # the padding is its own span
+    model.loss(collate_packs([[s] for s in pack], pad_id=0, packed=False))  # padded rows: SDPA with its mask
+    assert built and len(calls) == layers
+
+
+def test_packed_call_refuses_a_layer_that_did_not_get_the_sample_starts():
+    q = torch.randn(1, 2, 5, 4)
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    with attention.packed_call(), pytest.raises(RuntimeError, match="without cu_seq_lens_q"):
+        attention.stitch_varlen_attention(Layer(), q, q, q, None)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_chunked_cross_entropy_equals_full_fp32_logits_loss_and_grads(name, monkeypatch):
+    model = build(name, seed=1)
+    monkeypatch.setattr(cross_entropy, "CHUNK_TOKENS", 7)  # several chunks, the last one partial
+    assert model._plain_head() is not None
+    pack = samples(model, n=5, seed=3)
+    for batch in (collate_packs([pack[:3], pack[3:]], 0, packed=True), collate_packs([[s] for s in pack], 0, False)):
+        ours, grads = loss_and_grads(model, batch)
+        ref, ref_grads = loss_and_grads(model, batch, lambda b: reference_loss(model, b))
+        assert abs(ours - ref) < 1e-5 * abs(ref)
+        assert max_rel_diff(grads, ref_grads) < 1e-4
+
+
+def test_chunked_linear_cross_entropy_gives_hidden_weight_and_bias_grads_of_the_full_computation():
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 50)
+    target = torch.randint(0, 50, (23,))
+    target[[0, 5, 22]] = -100
+    ours = cross_entropy.linear_cross_entropy(hidden, head, target, chunk=6) * 0.5
+    ours.backward()
+    mine = (hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone())
+    hidden.grad = head.weight.grad = head.bias.grad = None
+    ref = torch.nn.functional.cross_entropy(head(hidden).float(), target, ignore_index=-100, reduction="sum") * 0.5
+    ref.backward()
+    assert torch.allclose(ours, ref, rtol=1e-6)
+    for got, want in zip(mine, (hidden.grad, head.weight.grad, head.bias.grad), strict=True):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation: the loss alone, no gradient work
+        assert torch.allclose(cross_entropy.linear_cross_entropy(hidden, head, target, chunk=6) * 0.5, ref)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_generation_and_padded_logits_unchanged_by_the_varlen_attention(name):
+    host = load_plugins()
+    lm = load_model(host.get("models", name), dtype=torch.float32).eval()
+    assert lm.config._attn_implementation == "sdpa"
+    prompt = torch.tensor([[5, 9, 14, 22, 31, 8, 40], [0, 0, 7, 66, 80, 12, 3]])
+    mask = torch.tensor([[1] * 7, [0, 0] + [1] * 5])
+    with torch.no_grad():
+        before = lm.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        logits_before = lm(input_ids=prompt, attention_mask=mask).logits
+    model = StitchedModel(lm, torch.nn.Linear(FEATURE_WIDTH, lm.config.get_text_config().hidden_size), 1)
+    assert attention.runs_varlen_attention(model.lm)
+    with torch.no_grad():
+        after = lm.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        logits_after = lm(input_ids=prompt, attention_mask=mask).logits
+    assert torch.equal(before, after)
+    assert torch.allclose(logits_before, logits_after, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's varlen flash attention)")
+def test_flash_varlen_equals_per_sample_sdpa_on_a_gpu():
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 300, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, 17, 140, 141, 300], device="cuda", dtype=torch.int32)
+    assert attention.flash_varlen_usable(q, 0.0)
+    fast = attention.attend_flash_varlen(q, k, v, cu, 123, None).float()
+    ref = attention.attend_per_sample(q, k, v, cu, None).float()
+    assert (fast - ref).abs().max() < 2e-2
+    # the same with the kv heads repeated by hand: fewer kv heads are shared as SDPA shares them
+    rep = attention.attend_flash_varlen(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), cu, 123, None)
+    assert (rep.float() - ref).abs().max() < 2e-2
+    # gradients (kv heads shared) match per-sample SDPA's too
+    grads = []
+    for attend in (lambda *a: attention.attend_flash_varlen(*a, 123, None), lambda *a: attention.attend_per_sample(*a, None)):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        attend(*leaves, cu).float().square().sum().backward()
+        grads.append([t.grad.float() for t in leaves])
+    for got, want in zip(*grads, strict=True):
+        assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+
+
+def test_bf16_lm_trains_lora_and_projector_in_bf16_on_fp32_master_weights():
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from stitch.model.precision import HalfComputeLinear
+
+    host = load_plugins()
+    spec = host.get("models", "qwen3.5-demo")
+    lm = load_model(spec, dtype=torch.bfloat16)
+    lm.requires_grad_(False)
+    torch.manual_seed(0)
+    lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=list(spec.lora_target_modules),
+                                       init_lora_weights=False))
+    projector = host.get("projectors", "mlp2x_gelu").build(FEATURE_WIDTH, lm.config.hidden_size).to(torch.bfloat16)
+    reference = StitchedModel(copy.deepcopy(lm), copy.deepcopy(projector), lm.config.vocab_size - 1)
+    model = StitchedModel(lm, projector, lm.config.vocab_size - 1)
+    assert model.half_compute["lora_layers"] > 0 and model.half_compute["projector"]
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(p.dtype == torch.float32 for p in trainable.values())  # the masters
+
+    # the reference: peft's own fp32 adapter compute (activations cast to fp32), the projector in fp32
+    for module in reference.modules():
+        if isinstance(module, HalfComputeLinear):
+            module.__class__ = torch.nn.Linear
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = True
+    reference._projector_input_dtype = None
+
+    seen = []
+    first_a = next(m for n, m in model.named_modules() if n.endswith("lora_A.default"))
+    first_a.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    batch = collate_packs([samples(model)], pad_id=0, packed=True)
+    loss, grads = loss_and_grads(model, batch)
+    ref_loss, ref_grads = loss_and_grads(reference, batch)
+    assert seen and seen[0] == (torch.bfloat16, torch.bfloat16)  # the adapter's product ran in bf16
+    assert abs(loss - ref_loss) < 2e-2 * abs(ref_loss)
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32
+        cos = torch.nn.functional.cosine_similarity(grad.flatten(), ref_grads[name].flatten(), dim=0)
+        assert cos > 0.98, (name, float(cos))
+    # an update far below bf16's resolution still moves the fp32 masters
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    torch.optim.SGD(trainable.values(), lr=1e-7).step()
+    assert all(not torch.equal(before[n], p) for n, p in trainable.items() if p.grad.abs().max() > 0)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and cross_entropy._liger_loss() is not None),
+                    reason="needs CUDA and liger-kernel")
+def test_liger_fused_cross_entropy_equals_the_chunked_path_on_a_gpu():
+    torch.manual_seed(0)
+    hidden = torch.randn(600, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    head = torch.nn.Linear(64, 1000, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    target = torch.randint(0, 1000, (600,), device="cuda")
+    assert cross_entropy.uses_liger(hidden)
+    fused = cross_entropy.linear_cross_entropy(hidden, head, target)
+    fused.backward()
+    fused_grad, hidden.grad = hidden.grad.float(), None
+    chunked = cross_entropy.ChunkedLinearCrossEntropy.apply(hidden, head.weight, None, target, -100, 128)
+    chunked.backward()
+    assert abs(float(fused) - float(chunked)) < 1e-3 * abs(float(chunked))
+    assert torch.nn.functional.cosine_similarity(fused_grad.flatten(), hidden.grad.float().flatten(), dim=0) > 0.999
