@@ -180,7 +180,7 @@ def test_hook_register_models(probe_run, use_host, tmp_path):
 
     use_host(probe=plugin(register_encoders=[PROBE_ENCODER],
                           register_models=[demo_spec(name="probe-lm", load=load, state_dict_adapter=None)]))
-    model = open_session(probe_recipe(tmp_path / "r.yaml", model="probe-lm"), run).build_model(stage="alignment")
+    model = open_session(probe_recipe(tmp_path / "r.yaml", model="probe-lm"), run).binding.build_model()
     assert len(built) == 1 and model.lm is built[0]
 
 
@@ -195,7 +195,7 @@ def test_hook_register_projectors(probe_run, use_host, tmp_path):
         return torch.nn.Sequential(torch.nn.Linear(width, hidden))
 
     use_host(probe=plugin(register_encoders=[PROBE_ENCODER], register_projectors=[ProjectorSpec("probe-proj", build)]))
-    model = open_session(probe_recipe(tmp_path / "r.yaml", projector="probe-proj"), run).build_model(stage="alignment")
+    model = open_session(probe_recipe(tmp_path / "r.yaml", projector="probe-proj"), run).binding.build_model()
     hidden = model.lm.config.get_text_config().hidden_size
     assert calls == [(WIDTH, hidden)]
     assert isinstance(model.projector, torch.nn.Sequential) and model.projector[0].in_features == WIDTH
@@ -344,8 +344,8 @@ def test_hook_register_rollout_engines(probe_run, use_host, tmp_path):
     use_host(probe=plugin(register_encoders=[PROBE_ENCODER], register_rollout_payloads=[PROBE_PAYLOAD],
                           register_rollout_engines=[RolloutEngineSpec("probe-engine", ProbeEngine)]))
     session = open_session(probe_recipe(tmp_path / "r.yaml"), run)
-    model = session.build_model(stage="sft", lora={"r": 2, "alpha": 4})
-    session.save_trainable(model, tmp_path / "step-1", "sft")
+    model = session.binding.build_model(lora={"r": 2, "alpha": 4})
+    session.binding.save_trainable(model, tmp_path / "step-1", "sft")
     served = Stitched(tmp_path / "step-1", engine="probe-engine", device="cpu")
     assert made and served.engine is made[0]
     made[0].answer_ids = served.tokenizer("The answer is 3.", add_special_tokens=False)["input_ids"]
@@ -368,8 +368,6 @@ def test_hook_register_recipes(use_host, tmp_path):
     assert recipe.name == "probe-shipped" and Path(recipe.path) == path.resolve()
 
 
-@pytest.mark.xfail(strict=True, reason="until the stage loop (stage engineer) calls resolve_task for GRPO's reward "
-                   "and recipes carry `task:` (typed-recipe engineer): remove this marker after the merge")
 def test_hook_register_tasks(sft_run, use_host, tmp_path):
     """GRPO's step rewards every sampled completion with the recipe's registered task."""
     from stitch.stages.grpo import train_grpo
