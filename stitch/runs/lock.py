@@ -82,7 +82,7 @@ class RunLock:
                     raise RunLockedError(
                         f"run directory {self.run_dir} is in use by pid {owner.get('pid')} on "
                         f"{owner.get('host')} ({owner.get('what') or 'stitch'}); wait for it to finish or use "
-                        f"another --out (a lock left by a killed process on this host is taken over)")
+                        f"another --out (a lock left by a killed process on this host is taken over)") from None
             else:
                 raise RunLockedError(f"could not take the lock {self.path}")
         finally:
