@@ -14,6 +14,7 @@ BASE: dict[str, Any] = {
     "model": "qwen3.5-demo",
     "encoder": "clip-tiny",
     "projector": "mlp2x_gelu",
+    "task": "counting",  # the demo's task: its reward, grader and DPO pairs (the next integer)
     "data": {
         "source": {"builtin": "counting-shapes", "rows": 120, "caption_rows": 20, "seed": 0},
         "columns": {"id": "id", "media": "image", "question": "question", "answer": "answer"},

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import re
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ import yaml
 
 FEATURE_DTYPES = ("float16", "bfloat16", "float32")
 SOURCE_FORMATS = ("parquet", "json", "imagefolder")
-BUILTIN_DATASETS = ("counting-shapes",)
+BUILTIN_DATASETS = ("counting-shapes", "shape-colors")
 ON_CORRUPT = ("error", "skip")
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -78,6 +79,7 @@ class ColumnMapping:
     answer: str | None = None
     messages: str | None = None
     id: str | None = None  # without it, a row's id is its stream position: "row<N>"
+    rejected: str | None = None  # a dispreferred answer per row, kept for DPO pairs (ManifestRow.extra)
 
     @property
     def text_columns(self) -> tuple[str, ...]:
@@ -165,6 +167,16 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class TaskConfig:
+    """What the recipe is trained and judged on: a registered task ``name``, or a ``reward`` (and optional
+    ``grade``) given as ``module:function`` or ``path/to/file.py:function`` (relative to the recipe file)."""
+
+    name: str | None = None
+    reward: str | None = None
+    grade: str | None = None
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     model: str
@@ -175,6 +187,7 @@ class Recipe:
     path: Path | None = None
     digest: str = ""  # sha256 of the YAML text, for provenance
     parallel: ParallelConfig | None = None
+    task: TaskConfig | None = None
 
     def stage(self, name: str) -> dict[str, Any]:
         if name not in self.stages:
@@ -293,6 +306,7 @@ def _parse_columns(fields: _Fields) -> ColumnMapping:
         answer=fields.get("answer", str, text, None),
         messages=fields.get("messages", str, text, None),
         id=fields.get("id", str, text, None),
+        rejected=fields.get("rejected", str, text, None),
     )
     fields.done()
     has_qa = columns.question is not None or columns.answer is not None
@@ -391,8 +405,23 @@ def parse_recipe(mapping: Any, *, path: Path | None = None, text: str = "") -> R
         parallel=_parse_parallel(top.sub("parallel")) if top.mapping.get("parallel") is not None else None,
     )
     top.seen.add("parallel")
+    recipe = dataclasses.replace(recipe, task=_parse_task(top))
     top.done()
     return recipe
+
+
+def _parse_task(top: _Fields) -> TaskConfig | None:
+    value = top.get("task", (str, Mapping), "a registered task name or {name | reward, grade}", None)
+    if value is None or isinstance(value, str):
+        return None if value is None else TaskConfig(name=value)
+    fields = _Fields(top.where, "task", value)
+    text = "'module:function' or 'path/to/file.py:function'"
+    task = TaskConfig(name=fields.get("name", str, "a registered task name", None),
+                      reward=fields.get("reward", str, text, None), grade=fields.get("grade", str, text, None))
+    fields.done()
+    if (task.name is None) == (task.reward is None):
+        fields.fail("", "exactly one of 'name' or 'reward'", dict(value))
+    return task
 
 
 def _parse_parallel(fields: _Fields) -> ParallelConfig:

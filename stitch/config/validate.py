@@ -23,6 +23,12 @@ def validate_recipe(recipe: Recipe, host: Any = None) -> dict[str, Any]:
     encoder = host.get("encoders", recipe.encoder)
     host.get("projectors", recipe.projector)
     host.get("token_sentinels", model.sentinels)
+    from stitch.tasks import TaskError, check_task
+
+    try:  # the task's reward/grader import and its DPO pair source, before any data or weights
+        check_task(recipe, host)
+    except TaskError as exc:
+        raise RecipeError(str(exc)) from exc
     unknown = sorted(set(recipe.stages) - set(KNOWN_STAGES))
     if unknown:
         raise RecipeError(f"recipe {recipe.name!r}: unknown stage 'stages.{unknown[0]}'; known: {list(KNOWN_STAGES)}")

@@ -1,4 +1,5 @@
-"""DPO on deterministic pairs from the manifest: the recorded answer is chosen, the next integer rejected.
+"""DPO on deterministic pairs from the manifest: the recorded answer is chosen; the rejected answer comes from
+the recipe's task (its generator) or from the dataset's ``rejected`` column.
 
 Features attach independently to both branches (each branch's placeholder count is checked against its
 features); the reference is the SFT warm start (adapter + projector), frozen.
@@ -18,7 +19,6 @@ import torch.nn.functional as F
 
 from stitch.config.recipe import Recipe, stage_options
 from stitch.data.packing import Sample, collate_packs
-from stitch.demo.tiny import answer_text
 from stitch.model.scatter import PlaceholderCountError
 from stitch.runs.checkpoint import (
     latest_step_dir,
@@ -28,7 +28,7 @@ from stitch.runs.checkpoint import (
     save_step,
     write_text_atomic,
 )
-from stitch.stages.evaluation import evaluate_accuracy, parse_answer
+from stitch.stages.evaluation import evaluate_accuracy
 from stitch.stages.grpo import _logits_with
 from stitch.stages.supervised import MetricsLog, audit_gradients, peak_memory_bytes, trainable_by_group
 
@@ -51,14 +51,19 @@ class DPOOptions:
         return stage_options(cls, recipe, "dpo")
 
 
-def preference_pairs(rows: list[Any]) -> list[dict[str, Any]]:
-    """Deterministic pairs: chosen = the recorded answer, rejected = the next integer."""
+def preference_pairs(rows: list[Any], task: Any, seed: int = 0) -> list[dict[str, Any]]:
+    """Deterministic pairs: chosen = the recorded answer, rejected = the task's generator (seeded) or the row's
+    ``rejected`` column; rows the task does not take, or without a rejected answer, are left out."""
+    rng = random.Random(seed)
     pairs = []
     for row in rows:
-        n = parse_answer(row.answer)
-        if n is None:
+        task_row = row.task_row()
+        if not task.takes(task_row):
             continue
-        pairs.append({"row": row, "chosen": row.answer, "rejected": answer_text(n + 1)})
+        rejected = task.rejected(task_row, rng) if task.rejected is not None else row.extra.get("rejected")
+        if rejected is None:
+            continue
+        pairs.append({"row": row, "chosen": row.answer, "rejected": rejected})
     return pairs
 
 
@@ -133,9 +138,13 @@ def train_dpo(recipe: Recipe, out_dir: Path, *, resume: bool = False, max_steps:
     reference = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=opts.lr_adapter, weight_decay=0.0)
-    pairs = preference_pairs(list(session.data.rows(opts.partition)))
+    from stitch.tasks import resolve_task
+
+    task = resolve_task(recipe, session.host)
+    pairs = preference_pairs(list(session.data.rows(opts.partition)), task, opts.seed)
     if not pairs:
-        raise ValueError(f"dpo: partition {opts.partition!r} has no rows with a numeric answer to pair")
+        raise ValueError(f"dpo: partition {opts.partition!r} has no rows that task {task.name!r} can pair (no "
+                         f"rejected answer from the task's generator or the data.columns.rejected column)")
     rng = random.Random(opts.seed)
     metrics = MetricsLog(stage_dir / "metrics.jsonl")
     step = 0

@@ -31,7 +31,7 @@ from stitch.runs.checkpoint import (
     save_step,
     write_text_atomic,
 )
-from stitch.stages.evaluation import evaluate_accuracy, parse_answer
+from stitch.stages.evaluation import evaluate_accuracy
 from stitch.stages.supervised import MetricsLog, audit_gradients, peak_memory_bytes, trainable_by_group
 
 
@@ -85,9 +85,11 @@ class GRPOOptions:
 
 
 def reward(completion_text: str, gold_answer: str) -> float:
-    """1.0 when the first integer after "The answer is" equals the recorded one, else 0.0."""
-    got, want = parse_answer(completion_text), parse_answer(gold_answer)
-    return float(got is not None and got == want)
+    """The counting demo's reward (kept for its tests; training calls the recipe's task)."""
+    from stitch.demo.counting import counting_reward
+    from stitch.plugins.specs import TaskRow
+
+    return counting_reward(completion_text, TaskRow("", "", gold_answer))
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -226,9 +228,12 @@ def _train_grpo(recipe: Recipe, out_dir: Path, cleanup: ExitStack, *, resume: bo
     sentinels = list(session.sentinel_ids.as_dict().values())
     engine_spec = session.host.get("rollout_engines", opts.engine)
     rows = list(session.data.rows(opts.partition))
-    rows = [r for r in rows if parse_answer(r.answer) is not None]
+    from stitch.tasks import resolve_task
+
+    task = resolve_task(recipe, session.host)
+    rows = [r for r in rows if task.takes(r.task_row())]
     if not rows:
-        raise ValueError(f"grpo: partition {opts.partition!r} has no rows with a numeric answer")
+        raise ValueError(f"grpo: partition {opts.partition!r} has no rows that task {task.name!r} can reward")
     rng = random.Random(opts.seed)
     metrics = MetricsLog(stage_dir / "metrics.jsonl")
     step = 0
@@ -273,7 +278,7 @@ def _train_grpo(recipe: Recipe, out_dir: Path, cleanup: ExitStack, *, resume: bo
             completions = engine.generate(feats, opts.group_size, opts.max_new_tokens, opts.temperature)
         timings["rollout"] += time.perf_counter() - t0
         texts = session.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        rewards = torch.tensor([reward(t, drawn[c.prompt_index].answer) for t, c in zip(texts, completions, strict=True)])
+        rewards = torch.tensor([task.reward(t, drawn[c.prompt_index].task_row()) for t, c in zip(texts, completions, strict=True)])
         adv = group_advantages(rewards, opts.group_size).to(session.device)
         samples = []
         for c in completions:
