@@ -210,3 +210,34 @@ def test_grpo_logs_the_reward_of_a_user_function_from_a_file_outside_the_repo(sf
     assert logged == {"only_blue": [0.0], "not_blue": [1.0]}
     # one call per sampled completion (2 prompts x 2 samples per run), on rows of the grpo partition
     assert len(seen) == 2 * 2 * 2 and all(s["row"].startswith("shapes-0-") for s in seen)
+
+
+def test_evaluation_grades_with_the_task_grader_on_the_rows_the_task_accepts(sft_run, tmp_path):
+    from stitch.stages.evaluation import evaluate_accuracy
+    from stitch.stages.session import StitchSession
+
+    graded = tmp_path / "graded.jsonl"
+    _reward_file(tmp_path / "user", f"""
+        import json
+
+        def reward(completion, row):
+            return 0.0
+
+        def grade(completion, row):
+            with open({str(graded)!r}, "a") as handle:
+                handle.write(json.dumps({{"row": row.id, "answer": row.answer}}) + "\\n")
+            return 0.25
+    """)
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages=no_dpo(),
+                                      task={"reward": "user/rewards.py:reward", "grade": "user/rewards.py:grade"}))
+    session = StitchSession.open(recipe, sft_run)
+    step = Path(json.loads((sft_run / "sft" / "summary.json").read_text())["checkpoint"])
+    model = session.build_model(stage="sft", adapter_from=step / "adapter", projector_from=step / "projector")
+    assert evaluate_accuracy(session, model, "eval", limit=5) == 0.25
+    seen = [json.loads(line) for line in graded.read_text().splitlines()]
+    eval_ids = [r.id for r in session.data.rows("eval")]
+    assert [s["row"] for s in seen] == eval_ids[:5]
+    # the counting task takes no caption row: the alignment partition has none it can grade
+    counting = StitchSession.open(load_recipe(write_recipe(tmp_path / "c.yaml")), sft_run)
+    with pytest.raises(ValueError, match="no rows that task 'counting' can grade"):
+        evaluate_accuracy(counting, model, "alignment", limit=5)
