@@ -78,9 +78,9 @@ def test_color_naming_rejects_another_palette_colour_drawn_from_the_stage_rng(ho
     assert task.takes(_row("Red.")) and not task.takes(_row("There is 1 object: a small red circle."))
 
 
-def test_shipped_recipes_name_their_demo_tasks():
-    assert resolve_task(load_recipe("demo")).name == "counting"
-    assert resolve_task(load_recipe("demo-colors")).name == "color-naming"
+def test_shipped_recipes_name_their_demo_tasks(host):
+    assert resolve_task(load_recipe("demo"), host).name == "counting"
+    assert resolve_task(load_recipe("demo-colors"), host).name == "color-naming"
 
 
 # -- user rewards ----------------------------------------------------------------------------------------

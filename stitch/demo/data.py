@@ -143,8 +143,14 @@ def color_question(shape: str) -> str:
     return f"What color is the {shape}?"
 
 
-# builtin name -> row generator; ``data.source.builtin`` picks one
-BUILTIN_GENERATORS = {"counting-shapes": make_rows, "shape-colors": make_color_rows}
+# builtin name -> (row generator, version keying its on-disk copy); ``data.source.builtin`` picks one
+BUILTIN_GENERATORS = {"counting-shapes": (make_rows, VERSION), "shape-colors": (make_color_rows, COLORS_VERSION)}
+
+
+def _generator(builtin: str):
+    if builtin not in BUILTIN_GENERATORS:
+        raise KeyError(f"no builtin dataset {builtin!r} (data.source.builtin); builtins: {', '.join(BUILTIN_GENERATORS)}")
+    return BUILTIN_GENERATORS[builtin]
 
 
 def write_builtin(out_dir: Path, builtin: str, rows: int, caption_rows: int = 0, seed: int = 0) -> Path:
@@ -153,9 +159,7 @@ def write_builtin(out_dir: Path, builtin: str, rows: int, caption_rows: int = 0,
     from datasets import Dataset, Features, Value
     from datasets import Image as ImageFeature
 
-    if builtin not in BUILTIN_GENERATORS:
-        raise KeyError(f"no builtin dataset {builtin!r}; builtins: {', '.join(BUILTIN_GENERATORS)}")
-    table = BUILTIN_GENERATORS[builtin](rows, caption_rows, seed)
+    table = _generator(builtin)[0](rows, caption_rows, seed)
     features = Features({
         key: ImageFeature() if key == "image" else Value("int32") if isinstance(value, int) else Value("string")
         for key, value in table[0].items()
@@ -177,7 +181,7 @@ def ensure_builtin(builtin: str, rows: int, caption_rows: int = 0, seed: int = 0
     """The parquet file of a builtin dataset, generated once into the stitch cache (atomically)."""
     from stitch.model.snapshots import ensure_snapshot
 
-    version = VERSION if builtin == "counting-shapes" else COLORS_VERSION
+    version = _generator(builtin)[1]
     key = f"{builtin}-v{version}-r{rows}-c{caption_rows}-s{seed}"
     root = ensure_snapshot(f"dataset-{key}", lambda d: write_builtin(d, builtin, rows, caption_rows, seed))
     return root / "data" / "train-00000-of-00001.parquet"

@@ -34,6 +34,7 @@ def run_chain(recipe: Recipe, out_dir: Path, *, stages: tuple[str, ...] = DEFAUL
     """
     from stitch.config.validate import validate_recipe
     from stitch.data.prepare import prepare
+    from stitch.plugins.host import get_host
     from stitch.stages.dpo import train_dpo
     from stitch.stages.grpo import train_grpo
     from stitch.stages.plots import plot_run
@@ -41,7 +42,7 @@ def run_chain(recipe: Recipe, out_dir: Path, *, stages: tuple[str, ...] = DEFAUL
     from stitch.tasks import check_task
 
     validate_recipe(recipe)  # every stage's options, before any data or weights are touched
-    task = check_task(recipe)
+    task = check_task(recipe, get_host())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"recipe": recipe.name, "model": recipe.model, "encoder": recipe.encoder,

@@ -41,20 +41,15 @@ def _where(recipe: Any) -> str:
     return f"recipe {str(path) if path else getattr(recipe, 'name', '?')!r}"
 
 
-def resolve_task(recipe: Any, host: Any = None) -> TaskSpec:
-    """The TaskSpec of ``recipe.task`` (default ``exact-match``): a registered name, or a task whose reward
-    (and optional grader) are user functions ``(completion: str, row: TaskRow) -> float``."""
+def resolve_task(recipe: Any, host: Any) -> TaskSpec:
+    """The TaskSpec of ``recipe.task`` (default ``exact-match``): a task registered in ``host`` (a PluginHost),
+    or a task whose reward (and optional grader) are user functions ``(completion: str, row: TaskRow) -> float``.
+    """
     name, reward, grade = _task_fields(recipe)
     if reward is None:
-        if host is None:
-            from stitch.plugins.host import get_host
-
-            host = get_host()
-        from stitch.plugins.host import RegistryLookupError
-
         try:
             return host.get("tasks", name)
-        except RegistryLookupError as exc:
+        except KeyError as exc:  # the host's RegistryLookupError: it lists the registered tasks
             raise TaskError(f"{_where(recipe)}: field 'task': {exc}") from exc
     reward_fn = load_function(reward, "task.reward", recipe)
     grade_fn = load_function(grade, "task.grade", recipe) if grade else None
@@ -63,7 +58,7 @@ def resolve_task(recipe: Any, host: Any = None) -> TaskSpec:
                     + "; DPO pairs from the dataset's rejected column")
 
 
-def check_task(recipe: Any, host: Any = None) -> TaskSpec:
+def check_task(recipe: Any, host: Any) -> TaskSpec:
     """``resolve_task`` at load time, plus the contracts the recipe's stages need from the task: DPO needs
     pairs, either from the task's generator or from the dataset's ``rejected`` column."""
     task = resolve_task(recipe, host)
