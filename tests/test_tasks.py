@@ -71,11 +71,14 @@ def test_recipe_without_a_task_is_graded_by_exact_match(tmp_path, host):
     assert resolve_task(recipe, host).name == "exact-match"
 
 
-def test_color_naming_rejects_another_palette_colour_drawn_from_the_stage_rng(host):
+def test_color_naming_rejects_the_answer_with_another_palette_colour_drawn_from_the_stage_rng(host):
     task = host.get("tasks", "color-naming")
-    wrong = {task.rejected(_row("red"), random.Random(seed)) for seed in range(40)}
-    assert "red" not in wrong and len(wrong) > 1
-    assert task.takes(_row("Red.")) and not task.takes(_row("There is 1 object: a small red circle."))
+    right = _row("The answer is red.")
+    wrong = {task.rejected(right, random.Random(seed)) for seed in range(40)}
+    assert len(wrong) > 1 and all(w.startswith("The answer is ") and "red" not in w for w in wrong)
+    assert task.reward("the answer is RED", right) == 1.0 and task.reward("The answer is blue.", right) == 0.0
+    caption = TaskRow("c", "Describe the image.", "There is 1 object: a small red circle.")
+    assert task.takes(right) and not task.takes(caption)
 
 
 def test_shipped_recipes_name_their_demo_tasks(host):

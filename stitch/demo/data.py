@@ -29,7 +29,7 @@ RGB = {
 RADIUS = {"small": 14, "large": 28}
 MAX_OBJECTS = 5
 VERSION = 1  # bump when the rendering or the row layout changes: it keys the on-disk copy
-COLORS_VERSION = 1  # the same for shape-colors
+COLORS_VERSION = 2  # the same for shape-colors
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,8 @@ def make_rows(rows: int, caption_rows: int = 0, seed: int = 0) -> list[dict]:
 
 def make_color_rows(rows: int, caption_rows: int = 0, seed: int = 0) -> list[dict]:
     """One object per scene; rows ``0..caption_rows-1`` ask for a caption (alignment), the rest ask for the
-    object's colour and are answered with the bare colour word ("red"): a free-text, non-numeric answer.
+    object's colour, answered "The answer is red.": free text, not a number. (The tiny demo LM was pre-trained on
+    "The answer is ..." sentences, where " red" is one token; a bare "red" splits into unfamiliar pieces.)
 
     Each row's scene depends only on ``(seed, index)``, so a longer dataset extends a shorter one.
     """
@@ -130,7 +131,7 @@ def make_color_rows(rows: int, caption_rows: int = 0, seed: int = 0) -> list[dic
                 "id": f"colors-{seed}-{i:06d}",
                 "image": {"bytes": png_bytes(render_scene([obj])), "path": f"colors-{seed}-{i:06d}.png"},
                 "question": CAPTION_QUESTION if caption else color_question(obj.shape),
-                "answer": caption_text([obj]) if caption else obj.color,
+                "answer": caption_text([obj]) if caption else color_answer(obj.color),
                 "color": obj.color,
                 "shape": obj.shape,
                 "task": "caption" if caption else "color",
@@ -141,6 +142,10 @@ def make_color_rows(rows: int, caption_rows: int = 0, seed: int = 0) -> list[dic
 
 def color_question(shape: str) -> str:
     return f"What color is the {shape}?"
+
+
+def color_answer(color: str) -> str:
+    return f"The answer is {color}."
 
 
 # builtin name -> (row generator, version keying its on-disk copy); ``data.source.builtin`` picks one
