@@ -2,7 +2,8 @@
 
 One run (several minutes on the 2-core CI machine) backs every assertion here: the chain finishes,
 SFT learns to count far above chance, a zeroed-feature control falls to chance (so a disconnected
-projector fails this test), GRPO raises mean reward, and the summary and plots are written.
+projector fails this test), GRPO raises mean reward, the served final checkpoint is graded by the counting
+task against the majority-answer baseline, and the summary and plots are written.
 """
 
 from __future__ import annotations
@@ -41,7 +42,25 @@ def test_stitch_run_writes_summary_with_accuracy_after_sft_and_grpo(demo_run):
     for stage in ("alignment", "sft", "grpo"):
         assert Path(summary["stages"][stage]["checkpoint"]).is_dir()
     assert "answer is" in summary["inference"]["answer"].lower()
-    assert "sft" in stdout and "grpo" in stdout  # the summary table
+    assert "sft" in stdout and "grpo" in stdout and "majority answer" in stdout  # the summary table
+
+
+def test_stitch_run_grades_the_served_grpo_checkpoint_with_the_counting_task(demo_run):
+    out, _ = demo_run
+    summary = json.loads((out / "summary.json").read_text())
+    evaluation = summary["evaluation"]
+    assert summary["task"] == evaluation["task"] == "counting" and evaluation["stage"] == "grpo"
+    assert evaluation["partition"] == "eval" and evaluation["rows"] == 80
+    # counts 1..5: the most frequent one covers a fifth to a third of 80 rows
+    assert evaluation["majority_baseline"]["answer"].startswith("The answer is ")
+    assert CHANCE - 0.05 <= evaluation["majority_baseline"]["accuracy"] <= 0.35
+    # served (adapter merged, rollout engine) it answers as the GRPO stage's own evaluation did
+    assert abs(evaluation["accuracy"] - summary["stages"]["grpo"]["eval_accuracy"]) <= 0.1
+    assert evaluation["accuracy"] >= evaluation["majority_baseline"]["accuracy"] + 0.15
+    assert evaluation["zeroed_features_accuracy"] <= CONTROL_MAX_ACCURACY
+    eval_ids = [json.loads(line)["id"] for line in (out / "data" / "manifest.jsonl").read_text().splitlines()
+                if json.loads(line)["partition"] == "eval"]
+    assert [r["id"] for r in summary["inference"]["rows"]] == eval_ids[:3]
 
 
 def test_stitch_run_writes_loss_reward_and_accuracy_plots(demo_run):

@@ -243,6 +243,35 @@ def test_missing_column_names_the_column_the_recipe_field_and_the_row(tmp_path, 
     assert "'picture'" in message and "data.columns.media" in message and "'shapes-0-000000'" in message
 
 
+def test_missing_rejected_column_names_the_column_and_data_columns_rejected(tmp_path, host_module):
+    columns = {"id": "id", "media": "image", "question": "question", "answer": "answer", "rejected": "worse"}
+    recipe = load_recipe(write_recipe(tmp_path, columns=columns))
+    with pytest.raises(PrepareError, match=r"'shapes-0-000000'.*'worse' \(data\.columns\.rejected\)"):
+        prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+
+
+def _rows_with_rejected(tmp_path: Path, rejected: list) -> Path:
+    names = _write_images(tmp_path / "data" / "images", len(rejected))
+    with open(tmp_path / "data" / "rows.jsonl", "w") as handle:
+        for i, (name, worse) in enumerate(zip(names, rejected, strict=True)):
+            handle.write(json.dumps({"id": f"r{i}", "image": f"images/{name}", "question": "What colour?",
+                                     "answer": "red", "worse": worse}) + "\n")
+    return tmp_path / "data" / "rows.jsonl"
+
+
+def test_rejected_column_is_kept_in_the_manifest_and_an_empty_one_is_an_invalid_row(tmp_path, clip, host_module):
+    source = {"path": str(_rows_with_rejected(tmp_path, ["blue", "", "green", "cyan"])), "format": "json"}
+    columns = {"id": "id", "media": "image", "question": "question", "answer": "answer", "rejected": "worse"}
+    recipe = load_recipe(write_recipe(tmp_path, source=source, columns=columns, partitions={"train": [0, 3]},
+                                      scan_cap=4, on_corrupt="skip"))
+    report = prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+    assert report.skipped[0]["id"] == "r1" and report.skipped[0]["column"] == "worse"
+    rows = list(PreparedData(tmp_path / "out").rows())
+    assert [(r.id, r.extra) for r in rows] == [("r0", {"rejected": "blue"}), ("r2", {"rejected": "green"}),
+                                               ("r3", {"rejected": "cyan"})]
+    assert rows[0].task_row().extra == {"rejected": "blue"}
+
+
 def test_retained_budget_refuses_before_encoding_anything(tmp_path, clip, host_module):
     recipe = load_recipe(write_recipe(tmp_path, budgets={"transient_mib": 64, "retained_mib": 1}))
     encoder = CountingEncoder(clip)

@@ -9,7 +9,10 @@ from stitch.config.recipe import RecipeError, load_recipe
 from stitch.config.validate import validate_recipe
 from stitch.plugins.host import load_plugins
 
-RUN_BY_TESTS = {"demo": "tests/test_demo_chain.py runs `stitch run demo` end to end"}
+RUN_BY_TESTS = {
+    "demo": "tests/test_demo_chain.py runs `stitch run demo` end to end",
+    "demo-colors": "tests/test_user_task_chain.py runs `stitch run demo-colors --dpo` with its rows and steps shrunk",
+}
 NOT_RUN = {
     "qwen3.5-4b": "needs the pinned Qwen3.5-4B weights (hub) and a GPU with >= 80 GB; its tiny twin qwen3.5-tiny "
     "runs alignment + SFT in tests/test_training.py",

@@ -15,6 +15,7 @@ from stitch_testing import write_recipe
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.model.provenance import ProvenanceError
 from stitch.model.scatter import PlaceholderCountError
+from stitch.plugins.host import load_plugins
 from stitch.stages.dpo import branch_sample
 from stitch.stages.grpo import group_advantages
 from stitch.stages.loop import checked_options, run_stage
@@ -33,7 +34,7 @@ def test_counting_task_reward_grades_the_first_integer_after_the_answer_phrase(t
     from stitch.plugins.specs import TaskRow
     from stitch.tasks import resolve_task
 
-    task = resolve_task(load_recipe(write_recipe(tmp_path / "r.yaml")))  # what GRPO rewards the demo with
+    task = resolve_task(load_recipe(write_recipe(tmp_path / "r.yaml")), load_plugins())  # what GRPO rewards the demo with
     row = TaskRow("r0", "How many?", "The answer is 3.", {})
     assert task.reward("The answer is 3.", row) == 1.0
     assert task.reward("The answer is 4. The answer is 3.", row) == 0.0

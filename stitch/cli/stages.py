@@ -64,7 +64,7 @@ def run(
     fresh: bool = typer.Option(False, "--fresh", help="Re-run stages whose summary already exists."),
     dpo: bool = typer.Option(False, "--dpo", help="Also run the DPO stage after GRPO."),
 ) -> None:
-    """The main job: prepare -> alignment -> SFT -> GRPO -> evaluation -> one inference."""
+    """The main job: prepare -> alignment -> SFT -> GRPO -> evaluation -> answers to a few held-out rows."""
     from stitch.stages.chain import run_chain
 
     loaded = _load(recipe, overrides)
@@ -84,8 +84,19 @@ def run(
         acc = info.get("eval_accuracy")
         table.add_row(stage, str(info.get("seconds", "")), "-" if acc is None else f"{acc:.1%}", notes)
     console.print(table)
-    inf = summary["inference"]
-    console.print(f"inference on {inf['image']} ({inf['objects']} objects): {inf['answer']!r}", highlight=False)
+    evaluation = summary.get("evaluation")
+    if evaluation:
+        control = evaluation.get("zeroed_features_accuracy")
+        baseline = evaluation["majority_baseline"]
+        console.print(
+            f"{evaluation['stage']} checkpoint on {evaluation['rows']} rows of {evaluation['partition']!r} (task "
+            f"{evaluation['task']}): accuracy {evaluation['accuracy']:.1%}"
+            + ("" if control is None else f", zeroed features {control:.1%}")
+            + f", majority answer {baseline['answer']!r} {baseline['accuracy']:.1%}", highlight=False)
+    inference = summary.get("inference") or {}
+    for row in inference.get("rows", []):
+        console.print(f"{row['id']}: {row['question']!r} -> {row['answer']!r} (expected {row['expected']!r}, "
+                      f"score {row['score']:.2f})", highlight=False)
     console.print(f"summary: {out / 'summary.json'}; plots: {', '.join(summary['plots'])}", highlight=False)
 
 

@@ -39,7 +39,7 @@ from stitch.config.options import STAGE_OPTIONS, Int, PositiveInt, PositiveNumbe
 
 FeatureDtype = Literal["float16", "bfloat16", "float32"]
 SourceFormat = Literal["parquet", "json", "imagefolder"]
-BuiltinDataset = Literal["counting-shapes"]
+BuiltinDataset = Literal["counting-shapes", "shape-colors"]
 OnCorrupt = Literal["error", "skip"]
 DEFAULT_TASK = "exact-match"  # a recipe that names no task is graded by normalised exact match of the answer
 _SHA = re.compile(r"^[0-9a-f]{40}$")

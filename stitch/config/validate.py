@@ -17,14 +17,18 @@ def validate_recipe(recipe: Recipe, host: Any = None) -> dict[str, StageOptions]
     """The recipe's stages (name -> typed options) once everything it names is registered and its layout adds
     up; raises naming the field at fault."""
     from stitch.plugins.host import get_host
-    from stitch.tasks import resolve_task
 
     host = host or get_host()
     model = host.get("models", recipe.model)
     encoder = host.get("encoders", recipe.encoder)
     host.get("projectors", recipe.projector)
     host.get("token_sentinels", model.sentinels)
-    resolve_task(recipe, host)
+    from stitch.tasks import TaskError, check_task
+
+    try:  # the task's reward/grader import and its DPO pair source, before any data or weights
+        check_task(recipe, host)
+    except TaskError as exc:
+        raise RecipeError(str(exc)) from exc
     # a sample holds at least one media block: start + placeholders + end
     floor = encoder.tokens_per_item + 2
     for stage in PACKED_STAGES:

@@ -92,6 +92,7 @@ class _PendingRow:
     messages: list[dict[str, str]]
     media: list[Any]  # raw values (bytes / {bytes, path} / path); decoded again only if the shard is new
     hashes: list[str]
+    extra: dict[str, str] = field(default_factory=dict)  # task text columns, e.g. rejected
 
 
 # -- streaming ------------------------------------------------------------------------------------------
@@ -107,9 +108,9 @@ def open_stream(source: DataSource, cache_dir: Path) -> Any:
         "download_config": DownloadConfig(cache_dir=str(cache_dir / "downloads")),
     }
     if isinstance(source, BuiltinSource):
-        from stitch.demo.data import ensure_counting_shapes
+        from stitch.demo.data import ensure_builtin
 
-        parquet = ensure_counting_shapes(source.rows, source.caption_rows, source.seed)
+        parquet = ensure_builtin(source.builtin, source.rows, source.caption_rows, source.seed)
         return load_dataset("parquet", data_files=str(parquet), split="train", **common)
     if isinstance(source, LocalSource):
         if not source.path.exists():
@@ -205,6 +206,25 @@ def _messages(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int
     return out
 
 
+def extra_columns(recipe: Recipe) -> dict[str, str]:
+    """Text columns kept beside the conversation for the task, as ``ManifestRow.extra`` key -> dataset column
+    (``data.columns.rejected``: a dispreferred answer per row, DPO's rejected branch)."""
+    column = getattr(recipe.data.columns, "rejected", None)
+    return {} if column is None else {"rejected": column}
+
+
+def _extra(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int) -> dict[str, str]:
+    out = {}
+    for key, column in extra_columns(recipe).items():
+        value = raw[column]
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidRow(row_id, position, column, f"expected non-empty text (data.columns.{key}), got {value!r}")
+        out[key] = value
+    return out
+
+
 def _row_id(raw: Mapping[str, Any], recipe: Recipe, position: int) -> str:
     column = recipe.data.columns.id
     if column is None:
@@ -223,7 +243,7 @@ def _missing_column(column: str, role: str, raw: Mapping[str, Any], row_id: str)
 
 def _check_columns(raw: Mapping[str, Any], recipe: Recipe, row_id: str) -> None:
     cols = recipe.data.columns
-    for role in ("media", "question", "answer", "messages"):
+    for role in ("media", "question", "answer", "messages", *extra_columns(recipe)):
         column = getattr(cols, role)
         if column is not None and column not in raw:
             raise _missing_column(column, role, raw, row_id)
@@ -340,6 +360,7 @@ class _Preparation:
             _check_columns(raw, self.recipe, row_id)
             try:
                 messages = _messages(raw, self.recipe, row_id, position)
+                extra = _extra(raw, self.recipe, row_id, position)
                 media = self.media_values(raw[cols.media], row_id, position, base)
             except InvalidRow as bad:
                 if self.data.on_corrupt == "error":
@@ -353,7 +374,7 @@ class _Preparation:
             partition = self.data.partition_of(ordinal)
             ordinal += 1
             if partition is not None:
-                yield _PendingRow(row_id, position, partition.name, messages, media["values"], media["hashes"])
+                yield _PendingRow(row_id, position, partition.name, messages, media["values"], media["hashes"], extra)
             if ordinal >= self.data.rows_needed:
                 break
         if ordinal < self.data.rows_needed:
@@ -427,6 +448,7 @@ class _Preparation:
                 width=self.spec.feature_width,
                 dtype=self.data.feature_dtype,
                 provenance=self.provenance,
+                extra=row.extra,
             ).as_json()
             line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
             manifest.write(line)

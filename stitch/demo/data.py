@@ -1,6 +1,7 @@
-"""The embedded demo dataset: deterministic synthetic shape-counting scenes in the spirit of CLEVR-Math.
+"""The embedded demo datasets: deterministic synthetic shape scenes, asking for the count (in the spirit of
+CLEVR-Math) or for the colour of a single shape.
 
-It is written to disk as a real parquet dataset (image column = ``{bytes, path}``) and read back through
+Each is written to disk as a real parquet dataset (image column = ``{bytes, path}``) and read back through
 ``datasets.load_dataset(..., streaming=True)``, so the default takes the same path as user data.
 """
 
@@ -28,6 +29,7 @@ RGB = {
 RADIUS = {"small": 14, "large": 28}
 MAX_OBJECTS = 5
 VERSION = 1  # bump when the rendering or the row layout changes: it keys the on-disk copy
+COLORS_VERSION = 2  # the same for shape-colors
 
 
 @dataclass(frozen=True)
@@ -109,23 +111,64 @@ def make_rows(rows: int, caption_rows: int = 0, seed: int = 0) -> list[dict]:
     return out
 
 
-def write_counting_shapes(out_dir: Path, rows: int, caption_rows: int = 0, seed: int = 0) -> Path:
-    """Write the dataset as ``out_dir/data/train-00000-of-00001.parquet``; returns that file."""
+def make_color_rows(rows: int, caption_rows: int = 0, seed: int = 0) -> list[dict]:
+    """One object per scene; rows ``0..caption_rows-1`` ask for a caption (alignment), the rest ask for the
+    object's colour, answered "The answer is red.": free text, not a number. (The tiny demo LM was pre-trained on
+    "The answer is ..." sentences, where " red" is one token; a bare "red" splits into unfamiliar pieces.)
+
+    Each row's scene depends only on ``(seed, index)``, so a longer dataset extends a shorter one.
+    """
+    out = []
+    for i in range(rows):
+        rng = random.Random(f"shape-colors:{seed}:{i}")
+        size = rng.choice(SIZES)
+        r = RADIUS[size]
+        obj = SceneObject(rng.choice(SHAPES), rng.choice(COLORS), size,
+                          rng.randint(r + 2, IMAGE_SIZE - r - 2), rng.randint(r + 2, IMAGE_SIZE - r - 2))
+        caption = i < caption_rows
+        out.append(
+            {
+                "id": f"colors-{seed}-{i:06d}",
+                "image": {"bytes": png_bytes(render_scene([obj])), "path": f"colors-{seed}-{i:06d}.png"},
+                "question": CAPTION_QUESTION if caption else color_question(obj.shape),
+                "answer": caption_text([obj]) if caption else color_answer(obj.color),
+                "color": obj.color,
+                "shape": obj.shape,
+                "task": "caption" if caption else "color",
+            }
+        )
+    return out
+
+
+def color_question(shape: str) -> str:
+    return f"What color is the {shape}?"
+
+
+def color_answer(color: str) -> str:
+    return f"The answer is {color}."
+
+
+# builtin name -> (row generator, version keying its on-disk copy); ``data.source.builtin`` picks one
+BUILTIN_GENERATORS = {"counting-shapes": (make_rows, VERSION), "shape-colors": (make_color_rows, COLORS_VERSION)}
+
+
+def _generator(builtin: str):
+    if builtin not in BUILTIN_GENERATORS:
+        raise KeyError(f"no builtin dataset {builtin!r} (data.source.builtin); builtins: {', '.join(BUILTIN_GENERATORS)}")
+    return BUILTIN_GENERATORS[builtin]
+
+
+def write_builtin(out_dir: Path, builtin: str, rows: int, caption_rows: int = 0, seed: int = 0) -> Path:
+    """Write a builtin dataset as ``out_dir/data/train-00000-of-00001.parquet``; returns that file."""
     import pyarrow.parquet as pq
     from datasets import Dataset, Features, Value
     from datasets import Image as ImageFeature
 
-    features = Features(
-        {
-            "id": Value("string"),
-            "image": ImageFeature(),
-            "question": Value("string"),
-            "answer": Value("string"),
-            "count": Value("int32"),
-            "task": Value("string"),
-        }
-    )
-    table = make_rows(rows, caption_rows, seed)
+    table = _generator(builtin)[0](rows, caption_rows, seed)
+    features = Features({
+        key: ImageFeature() if key == "image" else Value("int32") if isinstance(value, int) else Value("string")
+        for key, value in table[0].items()
+    })
     dataset = Dataset.from_list(table, features=features)
     target = out_dir / "data" / "train-00000-of-00001.parquet"
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -134,10 +177,20 @@ def write_counting_shapes(out_dir: Path, rows: int, caption_rows: int = 0, seed:
     return target
 
 
-def ensure_counting_shapes(rows: int, caption_rows: int = 0, seed: int = 0) -> Path:
-    """The parquet file of the demo dataset, generated once into the stitch cache (atomically)."""
+def write_counting_shapes(out_dir: Path, rows: int, caption_rows: int = 0, seed: int = 0) -> Path:
+    """The counting dataset written by ``write_builtin``."""
+    return write_builtin(out_dir, "counting-shapes", rows, caption_rows, seed)
+
+
+def ensure_builtin(builtin: str, rows: int, caption_rows: int = 0, seed: int = 0) -> Path:
+    """The parquet file of a builtin dataset, generated once into the stitch cache (atomically)."""
     from stitch.model.snapshots import ensure_snapshot
 
-    key = f"counting-shapes-v{VERSION}-r{rows}-c{caption_rows}-s{seed}"
-    root = ensure_snapshot(f"dataset-{key}", lambda d: write_counting_shapes(d, rows, caption_rows, seed))
+    version = _generator(builtin)[1]
+    key = f"{builtin}-v{version}-r{rows}-c{caption_rows}-s{seed}"
+    root = ensure_snapshot(f"dataset-{key}", lambda d: write_builtin(d, builtin, rows, caption_rows, seed))
     return root / "data" / "train-00000-of-00001.parquet"
+
+
+def ensure_counting_shapes(rows: int, caption_rows: int = 0, seed: int = 0) -> Path:
+    return ensure_builtin("counting-shapes", rows, caption_rows, seed)

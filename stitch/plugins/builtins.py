@@ -1,4 +1,5 @@
-"""What the core registers itself: projectors, rollout engines and the demo recipe."""
+"""What the core registers itself: projectors, rollout engines, the generic tasks, and the demo package's
+recipes and tasks (imported only when the registries are collected)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def register_projectors(register):
 @hookimpl
 def register_recipes(register):
     register(RecipeSpec("demo", RECIPES_DIR / "demo.yaml", "counting shapes: tiny CLIP + the pre-trained tiny Qwen3.5 demo LM (CPU)"))
+    register(RecipeSpec("demo-colors", RECIPES_DIR / "demo-colors.yaml",
+                        "name the colour of a shape (free-text answer): tiny CLIP + tiny Qwen3.5 demo LM (CPU)"))
 
 
 @hookimpl
@@ -41,6 +44,9 @@ def register_rollout_engines(register):
 
 @hookimpl
 def register_tasks(register):
+    from stitch.demo.colors import COLOR_NAMING
     from stitch.demo.counting import COUNTING
+    from stitch.tasks.generic import CONTAINS, EXACT_MATCH
 
-    register(COUNTING)
+    for spec in (EXACT_MATCH, CONTAINS, COUNTING, COLOR_NAMING):
+        register(spec)

@@ -1,10 +1,15 @@
-"""``stitch run``: the whole chain on one recipe: prepare -> alignment -> SFT -> GRPO (-> DPO) ->
-evaluation -> one inference, with a summary table, ``summary.json`` and PNG plots."""
+"""``stitch run``: the whole chain on one recipe: prepare -> alignment -> SFT -> GRPO (-> DPO) -> evaluation of
+the final checkpoint through the serving path -> answers to a few held-out rows, with ``summary.json`` and plots.
+
+Nothing here knows the dataset or the modality: rows come from the recipe's prepared eval partition (their
+cached features), prompts go through the encoder's rollout payload, and the recipe's task grades the answers.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,66 +17,160 @@ from stitch.config.recipe import Recipe
 from stitch.runs.checkpoint import write_text_atomic
 
 DEFAULT_STAGES = ("alignment", "sft", "grpo")
+# the checkpoint the chain serves: GRPO's when it ran (it refines SFT), else DPO's, else SFT's
+FINAL_STAGE_ORDER = ("grpo", "dpo", "sft")
+INFERENCE_ROWS = 3
 
 
 def run_chain(recipe: Recipe, out_dir: Path, *, stages: tuple[str, ...] = DEFAULT_STAGES, resume: bool = True,
-              progress: bool = True) -> dict[str, Any]:
-    """Prepare, then run ``stages`` (those the recipe defines), evaluate, and answer one new input; a stage
-    whose summary exists is skipped on re-run."""
-    from stitch.config.validate import validate_recipe
-    from stitch.data.prepare import prepare
-    from stitch.stages.dpo import train_dpo
-    from stitch.stages.grpo import train_grpo
-    from stitch.stages.plots import plot_run
-    from stitch.stages.supervised import train_stage
+              progress: bool = True, zeroed_control: bool = True) -> dict[str, Any]:
+    """Prepare, run ``stages`` (those the recipe defines; a stage whose summary exists is skipped on re-run),
+    then grade the final checkpoint on the eval partition and answer a few of its rows.
 
-    validate_recipe(recipe)  # every stage's options, before any data or weights are touched
+    Returns (and writes as ``summary.json``) ``recipe, model, encoder, task, stages{name: stage summary},
+    final_stage, evaluation, inference, seconds, plots``; see ``evaluate_final`` for ``evaluation`` and
+    ``inference``.
+    """
+    from stitch.config.validate import validate_recipe
+    from stitch.runs.lock import RunLock
+
+    validate_recipe(recipe)  # every stage's options, before any data or weights are touched (or the dir made)
+    with RunLock(Path(out_dir), "run"):  # one process per run directory; the stages below re-enter it
+        return _run_chain(recipe, Path(out_dir), stages, resume, progress, zeroed_control)
+
+
+def _run_chain(recipe: Recipe, out_dir: Path, stages: tuple[str, ...], resume: bool, progress: bool,
+               zeroed_control: bool) -> dict[str, Any]:
+    from stitch.data.prepare import prepare
+    from stitch.plugins.host import get_host
+    from stitch.stages.loop import run_stage
+    from stitch.stages.plots import plot_run
+    from stitch.stages.registry import STAGES
+    from stitch.tasks import check_task
+
+    task = check_task(recipe, get_host())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {"recipe": recipe.name, "model": recipe.model, "encoder": recipe.encoder, "stages": {}}
+    summary: dict[str, Any] = {"recipe": recipe.name, "model": recipe.model, "encoder": recipe.encoder,
+                               "task": task.name, "stages": {}}
     t0 = time.perf_counter()
     t = time.perf_counter()
     report = prepare(recipe, out_dir / "data", progress=progress)
     summary["stages"]["prepare"] = {**_jsonable(report), "seconds": round(time.perf_counter() - t, 2)}
-    runners = {
-        "alignment": lambda: train_stage(recipe, "alignment", out_dir, progress=progress),
-        "sft": lambda: train_stage(recipe, "sft", out_dir, progress=progress),
-        "grpo": lambda: train_grpo(recipe, out_dir, progress=progress),
-        "dpo": lambda: train_dpo(recipe, out_dir, progress=progress),
-    }
-    for stage in ("alignment", "sft", "grpo", "dpo"):
+    for stage in STAGES:  # the stage table's order
         if stage not in recipe.stages or stage not in stages:
             continue
         done = out_dir / stage / "summary.json"
         if resume and done.is_file():
             summary["stages"][stage] = json.loads(done.read_text())
             continue
-        summary["stages"][stage] = runners[stage]()
-    last = next(s for s in ("grpo", "dpo", "sft") if s in summary["stages"])
-    summary["inference"] = infer_demo_image(out_dir, out_dir / last / "checkpoints")
-    summary["chance_accuracy"] = 0.2 if recipe.data.source.__class__.__name__ == "BuiltinSource" else None
+        summary["stages"][stage] = run_stage(recipe, stage, out_dir, progress=progress)
+    final = next((s for s in FINAL_STAGE_ORDER if s in summary["stages"]), None)
+    summary["final_stage"] = final
+    if final is None:
+        summary["evaluation"] = summary["inference"] = None  # alignment alone leaves no adapter to serve
+    else:
+        evaluation, inference = evaluate_final(recipe, out_dir, final, zeroed_control=zeroed_control)
+        summary["evaluation"], summary["inference"] = evaluation, inference
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     summary["plots"] = [str(p) for p in plot_run(out_dir, summary)]
     write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
-def infer_demo_image(out_dir: Path, checkpoint: Path, seed: int = 2026) -> dict[str, Any]:
-    """One inference on a new image (a fresh demo scene, not in the prepared data)."""
-    import random
+def stage_option(recipe: Recipe, stage: str, key: str, default: Any = None) -> Any:
+    """One stage option, whether the recipe holds raw mappings or typed options objects."""
+    options = recipe.stages.get(stage)
+    if options is None:
+        return default
+    if isinstance(options, Mapping):
+        return options.get(key, default)
+    return getattr(options, key, default)
 
-    from stitch.demo.data import render_scene, sample_scene
-    from stitch.demo.tiny import COUNT_QUESTION
+
+def eval_partition(recipe: Recipe, final: str) -> tuple[str | None, int | None]:
+    """(partition, rows) the chain grades: the final stage's eval partition, else another stage's."""
+    from stitch.config.options import STAGE_OPTIONS
+
+    for stage in (final, *STAGE_OPTIONS):
+        if stage not in recipe.stages:
+            continue
+        partition = stage_option(recipe, stage, "eval_partition", "eval")  # the stage options' default
+        if partition:
+            return partition, stage_option(recipe, stage, "eval_rows", 64)
+    return None, None
+
+
+def evaluate_final(recipe: Recipe, out_dir: Path, final: str, *, zeroed_control: bool = True,
+                   inference_rows: int = INFERENCE_ROWS) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Grade ``final``'s checkpoint, served as inference serves it (adapter merged, the rollout engine), on the
+    recipe's eval partition from cached features; answer the first ``inference_rows`` of them.
+
+    ``evaluation``: ``{checkpoint, stage, partition, task, rows, accuracy, zeroed_features_accuracy,
+    majority_baseline: {answer, accuracy, rows}, seconds}`` (None without an eval partition);
+    ``inference``: ``{checkpoint, partition, held_out, rows: [{id, question, expected, answer, score}],
+    question, expected, answer, score, seconds}`` (the top-level four repeat the first row).
+    """
+    from stitch.data.feature_cache import PreparedData
+    from stitch.rollout.prompts import payload_for
     from stitch.serve.inference import Stitched
+    from stitch.stages.evaluation import greedy_answers
+    from stitch.tasks import majority_baseline, resolve_task
 
-    objects = sample_scene(random.Random(seed))
-    image_path = out_dir / "inference.png"
-    render_scene(objects).save(image_path)
     t = time.perf_counter()
-    server = Stitched(checkpoint)
-    answer = server.answer(image_path, COUNT_QUESTION)
-    return {"checkpoint": str(server.checkpoint.step_dir), "image": str(image_path), "question": COUNT_QUESTION,
-            "answer": answer, "objects": len(objects), "seconds": round(time.perf_counter() - t, 2)}
+    server = Stitched(out_dir / final / "checkpoints")
+    task = resolve_task(recipe, server.host)
+    data = PreparedData(out_dir / "data")
+    payload = payload_for(server.host, server.encoder_spec)
+
+    def answer(rows: list[Any], zero_features: bool = False, batch_size: int = 16) -> list[dict[str, Any]]:
+        records = []
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i : i + batch_size]
+            prompts = [(row.id, server.tokenizer(server.prompt_text(row.question, row.num_items),
+                                                 add_special_tokens=False)["input_ids"], data.features(row))
+                       for row in chunk]
+            texts = greedy_answers(payload, server.model, server.engine, server.tokenizer, prompts,
+                                   zero_features=zero_features)
+            records += [{"id": row.id, "question": row.question, "expected": row.answer, "answer": text,
+                         "score": task.score(text, row.task_row())} for row, text in zip(chunk, texts, strict=True)]
+        return records
+
+    checkpoint = str(server.checkpoint.step_dir)
+    partition, limit = eval_partition(recipe, final)
+    evaluation = None
+    if partition is not None:
+        rows = [r for r in data.rows(partition) if task.takes(r.task_row())][: limit or None]
+        if not rows:
+            raise ValueError(f"stitch run: eval partition {partition!r} has no rows that task {task.name!r} can "
+                             f"grade (TaskSpec.accepts refused every row)")
+        graded = answer(rows)
+        evaluation = {
+            "checkpoint": checkpoint, "stage": final, "partition": partition, "task": task.name,
+            "rows": len(rows), "accuracy": _mean(r["score"] for r in graded),
+            "zeroed_features_accuracy": _mean(r["score"] for r in answer(rows, zero_features=True))
+            if zeroed_control else None,
+            "majority_baseline": majority_baseline(task, [r.task_row() for r in rows]),
+            "seconds": round(time.perf_counter() - t, 2),
+        }
+        shown, held_out = graded[:inference_rows], True
+    else:
+        # no eval partition: answer rows no stage trains on, else (said so) rows of the final stage's partition
+        trained = {stage_option(recipe, s, "partition") for s in recipe.stages}
+        spare = [p.name for p in recipe.data.partitions if p.name not in trained]
+        partition = spare[0] if spare else stage_option(recipe, final, "partition")
+        held_out = bool(spare)
+        shown = answer([r for r in data.rows(partition) if task.takes(r.task_row())][:inference_rows])
+    first = shown[0] if shown else {}
+    inference = {"checkpoint": checkpoint, "partition": partition, "held_out": held_out, "rows": shown,
+                 **{k: first.get(k) for k in ("question", "expected", "answer", "score")},
+                 "seconds": round(time.perf_counter() - t, 2)}
+    return evaluation, inference
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 def _jsonable(value: Any) -> Any:

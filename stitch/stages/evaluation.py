@@ -1,72 +1,81 @@
-"""Held-out evaluation: greedy answers from prompt embeddings, graded by the first integer after
-"The answer is"."""
+"""Held-out evaluation: greedy answers generated from prompt embeddings (built through the rollout payload of
+the recipe's encoder), graded by the recipe's task; plus the majority-answer baseline they are read against."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-import torch
-
-ANSWER = re.compile(r"answer is\s*(-?\d+)", re.IGNORECASE)
-
-
-def parse_answer(text: str) -> int | None:
-    """The first integer after "The answer is", or None."""
-    match = ANSWER.search(text)
-    return int(match.group(1)) if match else None
+from stitch.plugins.specs import TaskSpec
+from stitch.tasks import majority_baseline, resolve_task
 
 
-def prompt_embeds_batch(session: Any, model: Any, rows: list[Any], zero_features: bool = False):
-    """Left-padded prompt embeddings (soft tokens spliced in) and the attention mask for ``rows``."""
-    embeds, lengths = [], []
-    for row in rows:
-        ids = torch.tensor([session.prompt_ids(row.question, row.num_items)], device=session.device)
-        feats = session.data.features(row)
-        if zero_features:
-            feats = torch.zeros_like(feats)
-        embeds.append(model.embed(ids, feats.to(session.device), [row.id])[0])
-        lengths.append(ids.shape[1])
-    width = max(lengths)
-    hidden = embeds[0].shape[-1]
-    pad = model.lm.get_input_embeddings()(torch.tensor([session.pad_id], device=session.device))[0]
-    batch = pad.expand(len(rows), width, hidden).clone()
-    mask = torch.zeros(len(rows), width, dtype=torch.long, device=session.device)
-    for i, (emb, n) in enumerate(zip(embeds, lengths, strict=True)):
-        batch[i, width - n :] = emb
-        mask[i, width - n :] = 1
-    return batch, mask
+def recipe_task(session: Any) -> TaskSpec:
+    return resolve_task(session.recipe, session.host)
 
 
-@torch.no_grad()
+def graded_rows(session: Any, partition: str, task: TaskSpec, limit: int | None = None) -> list[Any]:
+    """The first ``limit`` manifest rows of ``partition`` that ``task`` can grade."""
+    rows = [r for r in session.data.rows(partition) if task.takes(r.task_row())]
+    return rows if limit is None else rows[:limit]
+
+
+def greedy_answers(payload: Any, model: Any, engine: Any, tokenizer: Any,
+                   prompts: list[tuple[str, list[int], Any]], max_new_tokens: int = 12,
+                   zero_features: bool = False) -> list[str]:
+    """Greedy answers to ``(row_id, prompt token ids, cached features)`` from ``engine``, prompts built through
+    ``payload`` (the encoder's rollout payload) and ``model``'s projector."""
+    from stitch.rollout.prompts import prompt_embeddings
+
+    embeds = prompt_embeddings(payload, model, prompts, zero_features=zero_features)
+    completions = engine.generate(embeds, 1, max_new_tokens, greedy=True)
+    return [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+
+
 def generate_answers(session: Any, model: Any, rows: list[Any], max_new_tokens: int = 12,
                      zero_features: bool = False) -> list[str]:
-    embeds, mask = prompt_embeds_batch(session, model, rows, zero_features)
-    out = model.lm.generate(
-        inputs_embeds=embeds,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=session.pad_id,
-        eos_token_id=session.tokenizer.eos_token_id,
-        suppress_tokens=list(session.sentinel_ids.as_dict().values()),
-    )
-    return session.tokenizer.batch_decode(out, skip_special_tokens=True)
+    """Greedy answers of ``model`` to ``rows`` (their cached features; ``zero_features``: zeroed, a control)."""
+    from stitch.rollout.engines import EmbeddedEngine
+    from stitch.rollout.prompts import payload_for
+
+    prompts = [(row.id, session.prompt_ids(row.question, row.num_items), session.data.features(row))
+               for row in rows]
+    engine = EmbeddedEngine(model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id,
+                            suppress_ids=list(session.sentinel_ids.as_dict().values()))
+    return greedy_answers(payload_for(session.host, session.encoder_spec), model, engine, session.tokenizer,
+                          prompts, max_new_tokens, zero_features)
+
+
+def evaluate_rows(session: Any, model: Any, rows: list[Any], task: TaskSpec, batch_size: int = 16,
+                  zero_features: bool = False) -> list[dict[str, Any]]:
+    """One record per row: id, question, expected, answer and the task's score of the answer."""
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i : i + batch_size]
+            for row, text in zip(chunk, generate_answers(session, model, chunk, zero_features=zero_features),
+                                 strict=True):
+                out.append({"id": row.id, "question": row.question, "expected": row.answer, "answer": text,
+                            "score": task.score(text, row.task_row())})
+    finally:
+        model.train(was_training)
+    return out
 
 
 def evaluate_accuracy(session: Any, model: Any, partition: str, limit: int = 64, batch_size: int = 16,
                       zero_features: bool = False) -> float:
-    """Fraction of ``partition``'s counting rows answered with the recorded number."""
-    rows = [r for r in session.data.rows(partition) if parse_answer(r.answer) is not None][:limit]
+    """Mean task score of greedy answers on the first ``limit`` gradable rows of ``partition``."""
+    task = recipe_task(session)
+    rows = graded_rows(session, partition, task, limit)
     if not rows:
-        raise ValueError(f"partition {partition!r} has no rows with a numeric answer to grade")
-    was_training = model.training
-    model.eval()
-    correct = 0
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i : i + batch_size]
-        for row, text in zip(chunk, generate_answers(session, model, chunk, zero_features=zero_features),
-                             strict=True):
-            correct += parse_answer(text) == parse_answer(row.answer)
-    model.train(was_training)
-    return correct / len(rows)
+        raise ValueError(f"partition {partition!r} has no rows that task {task.name!r} can grade "
+                         f"(TaskSpec.accepts refused every row)")
+    records = evaluate_rows(session, model, rows, task, batch_size, zero_features)
+    return sum(r["score"] for r in records) / len(records)
+
+
+def partition_baseline(session: Any, partition: str, limit: int | None = None) -> dict[str, Any]:
+    """The majority-answer baseline on ``partition``'s gradable rows (the same rows evaluation grades)."""
+    task = recipe_task(session)
+    return majority_baseline(task, [r.task_row() for r in graded_rows(session, partition, task, limit)])

@@ -1,4 +1,5 @@
-"""PNG plots of a run's curves: loss per stage, GRPO reward, and accuracy after each stage."""
+"""PNG plots of a run's curves: loss per stage, GRPO reward, and accuracy after each stage, read against the
+majority-answer baseline of the eval partition (and the zeroed-feature control when it was measured)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ def _read(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def baseline_accuracy(summary: dict[str, Any]) -> float | None:
+    """The majority-answer baseline ``stitch run`` measured on the eval partition, if any."""
+    evaluation = summary.get("evaluation") or {}
+    return (evaluation.get("majority_baseline") or {}).get("accuracy")
 
 
 def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
@@ -69,9 +76,9 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
                 ax.plot([offset + r["step"] for r in rows], [r["eval_accuracy"] for r in rows], marker="o",
                         label=stage)
                 offset += rows[-1]["step"]
-        chance = summary.get("chance_accuracy")
-        if chance:
-            ax.axhline(chance, color="gray", linestyle="--", label=f"chance {chance:.0%}")
+        baseline = baseline_accuracy(summary)
+        if baseline is not None:
+            ax.axhline(baseline, color="gray", linestyle="--", label=f"majority answer {baseline:.0%}")
         ax.set_ylim(0, 1)
         ax.set_xlabel("step (SFT, then GRPO)")
         ax.set_ylabel("held-out accuracy")
@@ -82,13 +89,17 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
         fig.savefig(written[-1], dpi=100)
         plt.close(fig)
 
-    stages = [(s, v["eval_accuracy"]) for s, v in summary.get("stages", {}).items() if "eval_accuracy" in v]
+    stages = [(s, v["eval_accuracy"]) for s, v in summary.get("stages", {}).items()
+              if v.get("eval_accuracy") is not None]
+    control = (summary.get("evaluation") or {}).get("zeroed_features_accuracy")
+    if control is not None:
+        stages.append((f"{summary['evaluation']['stage']}\nzeroed features", control))
     if stages:
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.bar([s for s, _ in stages], [a for _, a in stages])
-        chance = summary.get("chance_accuracy")
-        if chance:
-            ax.axhline(chance, color="gray", linestyle="--", label=f"chance {chance:.0%}")
+        baseline = baseline_accuracy(summary)
+        if baseline is not None:
+            ax.axhline(baseline, color="gray", linestyle="--", label=f"majority answer {baseline:.0%}")
             ax.legend()
         ax.set_ylim(0, 1)
         ax.set_ylabel("held-out accuracy")
