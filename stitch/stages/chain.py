@@ -119,16 +119,15 @@ def evaluate_final(recipe: Recipe, out_dir: Path, final: str, *, zeroed_control:
 
     t = time.perf_counter()
     server = Stitched(out_dir / final / "checkpoints")
-    task = resolve_task(recipe, server.host)
+    task = resolve_task(recipe, server.binding.host)
     data = PreparedData(out_dir / "data")
-    payload = payload_for(server.host, server.encoder_spec)
+    payload = payload_for(server.binding.host, server.encoder_spec)
 
     def answer(rows: list[Any], zero_features: bool = False, batch_size: int = 16) -> list[dict[str, Any]]:
         records = []
         for i in range(0, len(rows), batch_size):
             chunk = rows[i : i + batch_size]
-            prompts = [(row.id, server.tokenizer(server.prompt_text(row.question, row.num_items),
-                                                 add_special_tokens=False)["input_ids"], data.features(row))
+            prompts = [(row.id, server.binding.prompt_ids(row.question, row.num_items), data.features(row))
                        for row in chunk]
             texts = greedy_answers(payload, server.model, server.engine, server.tokenizer, prompts,
                                    zero_features=zero_features)
