@@ -4,8 +4,11 @@ majority-answer baseline of the eval partition (and the zeroed-feature control w
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+from stitch.config.options import STAGE_OPTIONS
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
@@ -21,7 +24,13 @@ def baseline_accuracy(summary: dict[str, Any]) -> float | None:
 
 
 def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
-    import matplotlib
+    """The run's PNGs; none (with a note) when matplotlib, the ``[plots]`` extra, is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        logging.getLogger("stitch").warning("no plots: matplotlib is not installed (pip install 'stitch-lm[plots]'); "
+                                            "metrics.jsonl and summary.json hold the same numbers")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -29,7 +38,7 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
     out_dir = Path(out_dir)
     written = []
     losses = {stage: [r for r in _read(out_dir / stage / "metrics.jsonl") if "loss" in r]
-              for stage in ("alignment", "sft", "grpo", "dpo")}
+              for stage in STAGE_OPTIONS}
     losses = {stage: rows for stage, rows in losses.items() if rows}
     if losses:
         # one panel per stage: their losses live on different scales (captions vs answers vs policy loss)
