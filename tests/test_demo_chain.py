@@ -84,7 +84,7 @@ def test_zeroed_features_control_scores_near_chance(demo_run):
     out, _ = demo_run
     session = StitchSession.open(load_recipe("demo"), out)
     step = Path(json.loads((out / "sft" / "summary.json").read_text())["checkpoint"])
-    model = session.build_model(stage="sft", adapter_from=step / "adapter", projector_from=step / "projector")
+    model = session.binding.build_model(adapter_from=step / "adapter", projector_from=step / "projector")
     with_features = evaluate_accuracy(session, model, "eval", limit=80)
     control = evaluate_accuracy(session, model, "eval", limit=80, zero_features=True)
     assert control <= CONTROL_MAX_ACCURACY, control

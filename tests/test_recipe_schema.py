@@ -37,13 +37,13 @@ def no_heavy_work(monkeypatch):
     """Any model load or dataset read fails the test: a refusal must come before both."""
     import stitch.data.prepare
     import stitch.model.loading
-    import stitch.stages.session
+    import stitch.model.binding
 
     def touched(*args, **kwargs):
         raise AssertionError("a model or the dataset was touched before the recipe was refused")
 
     monkeypatch.setattr(stitch.model.loading, "load_model", touched)
-    monkeypatch.setattr(stitch.stages.session, "load_model", touched)
+    monkeypatch.setattr(stitch.model.binding, "load_model", touched)
     monkeypatch.setattr(stitch.data.prepare, "open_stream", touched)
 
 

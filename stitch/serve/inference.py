@@ -74,6 +74,10 @@ class Stitched:
         return self.binding.encoder_spec
 
     @property
+    def model_spec(self) -> Any:
+        return self.binding.model_spec
+
+    @property
     def device(self) -> torch.device:
         return self.binding.device
 
