@@ -36,8 +36,8 @@ def run_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
 def no_heavy_work(monkeypatch):
     """Any model load or dataset read fails the test: a refusal must come before both."""
     import stitch.data.prepare
-    import stitch.model.loading
     import stitch.model.binding
+    import stitch.model.loading
 
     def touched(*args, **kwargs):
         raise AssertionError("a model or the dataset was touched before the recipe was refused")
