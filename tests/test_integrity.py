@@ -54,3 +54,29 @@ def test_a_tampered_shard_is_refused_when_prepare_would_reuse_it(prepared_small)
     _tamper(shard)
     with pytest.raises(FeatureCacheError, match=rf"{shard.name} was modified"):
         prepare(recipe, out, progress=False)
+
+
+def test_every_checkpoint_records_the_sha256_of_each_file_it_wrote(sft_run):
+    from stitch.runs.checkpoint import CHECKSUMS, latest_step_dir
+
+    step = latest_step_dir(sft_run / "sft" / "checkpoints")
+    recorded = json.loads((step / CHECKSUMS).read_text())
+    written = {str(p.relative_to(step)) for p in step.rglob("*") if p.is_file() and p.name != CHECKSUMS}
+    assert set(recorded) == written
+    assert {"adapter/adapter_model.safetensors", "projector/mm-projector.safetensors", "optimizer.pt",
+            "trainer_state.json"} <= written
+
+
+def test_a_tampered_checkpoint_is_refused_naming_the_file_before_inference_loads_it(sft_run, tmp_path):
+    import shutil
+
+    from stitch.runs.checkpoint import CheckpointIntegrityError
+    from stitch.serve.inference import resolve_checkpoint
+
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(sft_run / "sft" / "checkpoints", copy)
+    resolve_checkpoint(copy)  # intact: accepted
+    step = next(p for p in copy.iterdir() if p.is_dir())
+    _tamper(step / "adapter" / "adapter_model.safetensors")
+    with pytest.raises(CheckpointIntegrityError, match=r"adapter/adapter_model\.safetensors has sha256 .* modified"):
+        resolve_checkpoint(step)

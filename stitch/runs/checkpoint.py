@@ -78,6 +78,7 @@ def save_step(
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -92,8 +93,49 @@ def save_step(
 
 
 def load_step_state(step_dir: Path, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Restore optimizer and RNG from ``step_dir`` (tensors only: weights_only=True); return its state."""
+    """Restore optimizer and RNG from ``step_dir`` (tensors only: weights_only=True); return its state. The caller
+    verifies the step's checksums first (``verify_checksums``), before any of its tensors are read."""
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(step_dir / "optimizer.pt", weights_only=True))
     set_rng_state(torch.load(step_dir / "rng.pt", weights_only=True))
     return json.loads((step_dir / "trainer_state.json").read_text())
+
+
+CHECKSUMS = "SHA256SUMS.json"
+
+
+class CheckpointIntegrityError(ValueError):
+    """A checkpoint file differs from what was written; the message names the file."""
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(step_dir: Path) -> None:
+    """``step_dir/SHA256SUMS.json``: the sha256 of every file of the step, recorded as it is written."""
+    files = sorted(p for p in Path(step_dir).rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    sums = {str(p.relative_to(step_dir)): _sha256(p) for p in files}
+    (Path(step_dir) / CHECKSUMS).write_text(json.dumps(sums, indent=1))
+
+
+def verify_checksums(step_dir: Path) -> None:
+    """Refuse a step directory whose files differ from the recorded sha256s (tampered, truncated, missing),
+    naming the file; a step written before checksums were recorded passes."""
+    record = Path(step_dir) / CHECKSUMS
+    if not record.is_file():
+        return
+    for name, want in json.loads(record.read_text()).items():
+        path = Path(step_dir) / name
+        if not path.is_file():
+            raise CheckpointIntegrityError(f"checkpoint {step_dir}: {name} is missing (recorded in {CHECKSUMS})")
+        got = _sha256(path)
+        if got != want:
+            raise CheckpointIntegrityError(f"checkpoint {step_dir}: {name} has sha256 {got}, but {want} was recorded "
+                                           f"when it was written; the file was modified")

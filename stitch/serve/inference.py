@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from stitch.model.merge import merge_adapter_into_model
-from stitch.runs.checkpoint import latest_step_dir
+from stitch.runs.checkpoint import latest_step_dir, verify_checksums
 
 
 @dataclass
@@ -36,6 +36,7 @@ def resolve_checkpoint(path: Path) -> ResolvedCheckpoint:
             f"{path} is neither a checkpoints root (with LATEST), a step directory (with adapter/), nor a PEFT "
             f"adapter directory (with adapter_config.json)"
         )
+    verify_checksums(step)
     adapter = path if (path / "adapter_config.json").is_file() else step / "adapter"
     projector = step / "projector"
     if not (projector / "manifest.json").is_file():

@@ -23,7 +23,13 @@ import torch
 from stitch.config.options import STAGE_OPTIONS, StageOptions
 from stitch.config.recipe import RecipeError
 from stitch.model.binding import ModelBinding
-from stitch.runs.checkpoint import latest_step_dir, load_step_state, save_step, write_text_atomic
+from stitch.runs.checkpoint import (
+    latest_step_dir,
+    load_step_state,
+    save_step,
+    verify_checksums,
+    write_text_atomic,
+)
 from stitch.runs.environment import environment
 from stitch.runs.layout import RunLayout
 from stitch.runs.lock import RunLock
@@ -265,6 +271,7 @@ def warm_start_source(session: StitchSession, entry: Any, opts: Any) -> Path | N
             f"{entry.name} warm-starts from {entry.warm_start}, but {root} has no LATEST; run "
             f"`stitch train {entry.warm_start} --recipe {session.recipe.name} --out {session.out_dir}` first"
         )
+    verify_checksums(donor)  # the donor's files are the ones it wrote
     if "adapter" in entry.warm_parts:
         from stitch.model.provenance import check_warm_start
 
@@ -282,6 +289,7 @@ def load_checkpoint(ctx: StageContext) -> None:
             ctx.metrics.reset()
         return
     step_dir = ctx.resume_from
+    verify_checksums(step_dir)  # before any tensor of it is read
     if ctx.dp.active:  # optimizer.pt holds full tensors (one-process layout), whatever world size wrote it
         ctx.dp.load_optimizer_state(ctx.optimizer, torch.load(step_dir / "optimizer.pt", weights_only=True))
     else:
