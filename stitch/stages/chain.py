@@ -51,8 +51,10 @@ def _run_chain(recipe: Recipe, out_dir: Path, stages: tuple[str, ...], resume: b
     task = check_task(recipe, get_host())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    from stitch.runs.environment import environment
+
     summary: dict[str, Any] = {"recipe": recipe.name, "model": recipe.model, "encoder": recipe.encoder,
-                               "task": task.name, "stages": {}}
+                               "task": task.name, "environment": environment(), "stages": {}}
     t0 = time.perf_counter()
     t = time.perf_counter()
     report = prepare(recipe, out_dir / "data", progress=progress)
