@@ -74,6 +74,10 @@ def test_provenance_gate_refuses_each_mismatched_field_before_any_model_load(sft
     data = json.loads(path.read_text())
     data[key] = value
     path.write_text(json.dumps(data))
+    # a donor written that way (its checksums re-recorded), not a tampered one, which the integrity check refuses
+    from stitch.runs.checkpoint import write_checksums
+
+    write_checksums(_donor(run))
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the provenance gate refused")
