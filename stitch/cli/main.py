@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from stitch.cli import recipe, registry, scaffold, serve, stages  # noqa: F401  (each registers its commands)
+# each command module registers its commands on the app when imported (named by module: no edge back to stitch.cli)
+import stitch.cli.recipe  # noqa: F401
+import stitch.cli.registry  # noqa: F401
+import stitch.cli.scaffold  # noqa: F401
+import stitch.cli.serve  # noqa: F401
+import stitch.cli.stages  # noqa: F401
 from stitch.cli.app import app, err_console
 
 

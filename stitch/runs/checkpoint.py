@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from stitch.data.feature_cache import file_sha256
+
 
 def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,20 +110,10 @@ class CheckpointIntegrityError(ValueError):
     """A checkpoint file differs from what was written; the message names the file."""
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_checksums(step_dir: Path) -> None:
     """``step_dir/SHA256SUMS.json``: the sha256 of every file of the step, recorded as it is written."""
     files = sorted(p for p in Path(step_dir).rglob("*") if p.is_file() and p.name != CHECKSUMS)
-    sums = {str(p.relative_to(step_dir)): _sha256(p) for p in files}
+    sums = {str(p.relative_to(step_dir)): file_sha256(p) for p in files}
     (Path(step_dir) / CHECKSUMS).write_text(json.dumps(sums, indent=1))
 
 
@@ -135,7 +127,7 @@ def verify_checksums(step_dir: Path) -> None:
         path = Path(step_dir) / name
         if not path.is_file():
             raise CheckpointIntegrityError(f"checkpoint {step_dir}: {name} is missing (recorded in {CHECKSUMS})")
-        got = _sha256(path)
+        got = file_sha256(path)
         if got != want:
             raise CheckpointIntegrityError(f"checkpoint {step_dir}: {name} has sha256 {got}, but {want} was recorded "
                                            f"when it was written; the file was modified")
