@@ -21,7 +21,10 @@ those the warm-up steps already met (on the GPU the first use of a new length co
 Modes (same model, same prompts, sampling seed, rewards and starting adapter; the adapter and AdamW state
 are reset between modes):
 
-* ``stitch``    features from the cache, as ``GRPOStage.step`` runs.
+* ``stitch``    features from the cache, as ``GRPOStage.step`` runs: ``EmbeddedEngine``'s fixed-cache decoder with
+                CUDA-graph decode steps (``stitch.rollout.decode``), the shipped default for full-attention models.
+* ``generate``  the same as ``stitch`` but the engine runs transformers ``generate`` (``static_decode=False``): stock
+                transformers decoding, what the embedded engine shipped before, measured in the same process.
 * ``baseline``  encoder in the loop (TRL / EasyR1 style): the frozen bf16 CLIP ViT-B/32 tower (sdpa, real
                 config, random init) runs on raw pixels for every forward that needs the image: once on the
                 prompts before the rollout, then on the batch's rows inside the old-log-prob, reference and
@@ -35,6 +38,7 @@ mask does; random-init weights rarely sample EOS, so most completions run to ``-
 Command (on the H200 machine, repo root):
 
     PYTHONPATH=. python3 benchmarks/grpo_breakdown.py --shape dense4b --out benchmarks/results
+    PYTHONPATH=. python3 benchmarks/grpo_breakdown.py --modes stitch,generate --micro-batch-size 16 --tag _graph
     # CPU check in seconds: PYTHONPATH=. python benchmarks/grpo_breakdown.py --smoke --out /tmp/bench
 """
 
@@ -107,7 +111,9 @@ def run_mode(
     ]
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     sentinels = [ids["start"], ids["placeholder"], ids["end"]]
-    engine = EmbeddedEngine(model.lm, pad_id=PAD_ID, eos_id=ids["eos"], suppress_ids=sentinels)
+    engine = EmbeddedEngine(model.lm, pad_id=PAD_ID, eos_id=ids["eos"], suppress_ids=sentinels,
+                            static_decode=mode != "generate")
+    log(f"{mode}: rollout engine {engine.decode_path}")
     ref_params = {**reference, **{f"projector.{n}": t for n, t in anchor.items()}}
     rng = random.Random(args.seed)
     reward_gen = torch.Generator().manual_seed(args.seed)
@@ -207,7 +213,42 @@ def run_mode(
             + " ".join(f"{k} {v:.3f}" for k, v in rec["s"].items())
             + f", {rec['gen_tokens']} tokens"
         )
-    return summarize_mode(mode, warm, timed, clip is not None)
+    result = summarize_mode(mode, warm, timed, clip is not None)
+    result["decode_path"] = engine.decode_path
+    steps = getattr(engine.decoder, "_steps", {})
+    result["decode_graphs"] = sum(s.graph is not None for s in steps.values())
+    return result
+
+
+def decode_parity(model, prompts, ids, device, rows: int = 8, tokens: int = 64) -> dict:
+    """Greedy completions of ``rows`` prompts from the fixed-cache (graph) decoder against transformers
+    ``generate`` on the same weights: identical rows, the first step where a row differs, log-prob gaps."""
+    from stitch.rollout.engines import EmbeddedEngine
+
+    sentinels = [ids["start"], ids["placeholder"], ids["end"]]
+    model.eval()
+    with torch.no_grad():
+        embeds = [model.embed(torch.tensor([s.input_ids], device=device), s.features.to(device), [s.row_id])[0]
+                  for s in prompts[:rows]]
+        out = {}
+        for name, static in (("fixed_cache", True), ("generate", False)):
+            engine = EmbeddedEngine(model.lm, pad_id=PAD_ID, eos_id=ids["eos"], suppress_ids=sentinels,
+                                    static_decode=static)
+            out[name] = engine.generate(embeds, 1, tokens, greedy=True)
+    first_diff = []
+    gaps = []
+    for a, b in zip(out["fixed_cache"], out["generate"], strict=True):
+        diff = next((t for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y), None)
+        first_diff.append(diff)
+        upto = len(a.token_ids) if diff is None else diff + 1  # log-probs compared while the prefixes agree
+        gaps.append(max(abs(x - y) for x, y in zip(a.logprobs[:upto], b.logprobs[:upto], strict=False)))
+    return {
+        "rows": rows,
+        "tokens": tokens,
+        "identical_rows": sum(d is None for d in first_diff),
+        "first_differing_step": first_diff,
+        "max_abs_logprob_gap_on_shared_prefix": round(max(gaps), 5),
+    }
 
 
 def summarize_mode(mode: str, warm: list, timed: list, with_clip: bool) -> dict:
@@ -263,7 +304,8 @@ def summarize(info: dict, opts, modes: dict, args) -> dict:
         "grpo_options": opts.model_dump(),
         "rewards": "random 0/1 from a seeded torch.Generator (random-init weights: no verifiable reward); "
         "the same draws in both modes",
-        "engine": "stitch.rollout.engines.EmbeddedEngine (transformers generate on the live policy)",
+        "engine": "stitch.rollout.engines.EmbeddedEngine on the live policy: fixed-cache + CUDA-graph decode "
+        "(stitch, baseline) or transformers generate (generate)",
         "timing": "torch.cuda.synchronize at every part boundary and around each baseline CLIP call; "
         "median over the timed steps after --warmup steps",
         "estimates": {
@@ -275,7 +317,11 @@ def summarize(info: dict, opts, modes: dict, args) -> dict:
         },
         "modes": dict(modes),
     }
-    stitch, base = modes.get("stitch", {}), modes.get("baseline", {})
+    stitch, base, stock = modes.get("stitch", {}), modes.get("baseline", {}), modes.get("generate", {})
+    if stitch.get("rollout_tokens_per_s") and stock.get("rollout_tokens_per_s"):
+        out["ratio_stitch_over_generate_rollout_tokens_per_s"] = round(
+            stitch["rollout_tokens_per_s"] / stock["rollout_tokens_per_s"], 3)
+        out["ratio_generate_over_stitch_step_s"] = round(stock["step_s_median"] / stitch["step_s_median"], 3)
     if stitch.get("step_s_median") and base.get("step_s_median"):
         out["ratio_baseline_over_stitch_step_s"] = round(base["step_s_median"] / stitch["step_s_median"], 4)
         out["ratio_by_part"] = {
@@ -287,7 +333,7 @@ def summarize(info: dict, opts, modes: dict, args) -> dict:
 
 
 def print_table(out: dict) -> None:
-    cols = ("step s", *PARTS, "clip s", "gen tok/step", "rollout tok/s", "peak GiB", "x stitch")
+    cols = ("step s", *PARTS, "clip s", "gen tok/step", "rollout tok/s", "peak GiB", "x stitch", "rollout share")
     log(" | ".join(("mode", *cols)))
     ratio = out.get("ratio_baseline_over_stitch_step_s")
     for mode, r in out["modes"].items():
@@ -303,12 +349,16 @@ def print_table(out: dict) -> None:
             f"{r['rollout_tokens_per_s']:.1f}",
             str(r["peak_gib"]),
             f"{ratio:.3f}" if mode == "baseline" and ratio else "1.000" if mode == "stitch" else "-",
+            f"{r['parts_share']['rollout']:.3f}",
         ]
         log(" | ".join(row))
     log(
         "mean completion tokens: "
         + ", ".join(f"{m} {r.get('mean_completion_tokens')}" for m, r in out["modes"].items())
     )
+    if "ratio_stitch_over_generate_rollout_tokens_per_s" in out:
+        log(f"rollout tok/s stitch / generate = {out['ratio_stitch_over_generate_rollout_tokens_per_s']}, "
+            f"step s generate / stitch = {out['ratio_generate_over_stitch_step_s']}")
 
 
 def main() -> None:
@@ -328,6 +378,7 @@ def main() -> None:
     ap.add_argument("--text-min", type=int, default=40, help="prompt text tokens (uniform in min..max)")
     ap.add_argument("--text-max", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--micro-batch-size", type=int, default=None, help="GRPOOptions.micro_batch_size")
     ap.add_argument("--grad-ckpt", action="store_true")
     ap.add_argument(
         "--attn", default="sdpa", help="attn_implementation for the LM: sdpa | eager | flex_attention"
@@ -345,6 +396,7 @@ def main() -> None:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        micro_batch_size=args.micro_batch_size,
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernels = kernel_report()
@@ -369,6 +421,8 @@ def main() -> None:
     )
     name = f"grpo_{args.shape}{args.tag}"
     modes: dict = {}
+    info["greedy_decode_parity"] = decode_parity(model, prompts, ids, device, tokens=8 if args.smoke else 64)
+    log(f"greedy parity fixed-cache vs generate: {json.dumps(info['greedy_decode_parity'])}")
 
     def save() -> dict:  # after every mode: a run cut short by a time limit still leaves what it finished
         out = summarize(info, opts, modes, args)

@@ -3,8 +3,9 @@
 Callers build those embeddings with ``stitch.rollout.prompts.prompt_embeddings``, through the rollout payload the
 encoder names (built and validated there), so no engine sees raw media, cached features or the encoder.
 
-The embedded engine runs transformers ``generate(inputs_embeds=...)`` on the policy itself, so a refit
-is a no-op; engines that hold their own weights (vLLM) receive merged weights through ``refit``.
+The embedded engine decodes on the policy itself, so a refit is a no-op: on a fixed-size KV cache with each decode
+step replayed as a CUDA graph (``stitch.rollout.decode``) where the model's layers allow it, else with transformers
+``generate(inputs_embeds=...)``. Engines that hold their own weights (vLLM) receive merged weights through ``refit``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from stitch.rollout.decode import StaticDecoder, static_decode_unsupported
 
 
 @dataclass
@@ -43,16 +46,22 @@ def left_pad(prompt_embeds: list[torch.Tensor], pad_embed: torch.Tensor) -> tupl
 
 
 class EmbeddedEngine:
-    """transformers generate on the live policy LM."""
+    """Generation on the live policy LM: stitch's fixed-cache decoder where the model qualifies (same tokens and
+    log-probs as ``generate``, CUDA graphs on a GPU), transformers ``generate`` otherwise or with
+    ``static_decode=False``."""
 
     name = "embedded"
 
-    def __init__(self, lm: Any, pad_id: int, eos_id: int, suppress_ids: Sequence[int] = ()) -> None:
+    def __init__(self, lm: Any, pad_id: int, eos_id: int, suppress_ids: Sequence[int] = (),
+                 static_decode: bool = True) -> None:
         self.lm = lm
         self.pad_id = pad_id
         self.eos_id = eos_id
         # media sentinels must never be sampled: a completion holding a placeholder would break the scatter
         self.suppress_ids = list(suppress_ids)
+        why_not = static_decode_unsupported(lm) if static_decode else "static_decode=False"
+        self.decoder = StaticDecoder(lm) if why_not is None else None
+        self.decode_path = "fixed-cache decode" if why_not is None else f"transformers generate ({why_not})"
 
     def refit(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Nothing to do: the engine generates with the policy's own (adapter-carrying) weights."""
@@ -62,6 +71,10 @@ class EmbeddedEngine:
                  temperature: float = 1.0, greedy: bool = False) -> list[Completion]:
         pad = self.lm.get_input_embeddings()(torch.tensor([self.pad_id], device=prompt_embeds[0].device))[0]
         embeds, mask = left_pad(prompt_embeds, pad)
+        if self.decoder is not None:
+            decoded = self.decoder.decode(embeds, mask, n, max_new_tokens, self.eos_id, self.pad_id, self.suppress_ids,
+                                          temperature=temperature, greedy=greedy)
+            return self._completions(decoded.tokens, decoded.logprobs, n)
         out = self.lm.generate(
             inputs_embeds=embeds,
             attention_mask=mask,
@@ -86,6 +99,10 @@ class EmbeddedEngine:
             for t, step in enumerate(out.logits)
         ], dim=1)
         del out
+        return self._completions(sequences, logprobs, n)
+
+    def _completions(self, sequences: torch.Tensor, logprobs: torch.Tensor, n: int) -> list[Completion]:
+        """Rows [prompts * n, steps] cut after their first EOS."""
         completions = []
         for i in range(sequences.shape[0]):
             ids, lps = [], []
