@@ -21,6 +21,8 @@ uniform random, the last two thirds of the text labelled):
 * ``cached_padded``  the same padded batches, features read from the cache (isolates the encoder's cost).
                      This is what stitch runs for models whose ModelSpec says ``supports_packing=False``.
 * ``packed``         stitch: cached features, ``--rows`` packs of ``--budget`` tokens per step.
+* ``packed_unfused`` ``packed`` with stitch_qwen's fused kernels (liger RMSNorm / SwiGLU / RoPE) switched off: what
+                     they are worth, in the same run.
 * ``stock``          plain transformers on the same LM and LoRA: ``--rows`` causal rows of ``--budget`` random
                      tokens, ``lm(inputs_embeds=..., labels=...)`` with ``--attn`` (sdpa), every token labelled.
                      The speed the model reaches on the same number of tokens with no packing at all.
@@ -251,17 +253,11 @@ def build_stitched(shape: str, args, host, device):
         lm = cls._from_config(cfg, dtype=torch.bfloat16, attn_implementation=args.attn)
     lm.requires_grad_(False)
     kernel_path = None
-    if shape != "dense4b":  # what load_nemotron_h / load_qwen do for a real checkpoint
-        from stitch.model.varlen import varlen_kernels_ready
-
-        if shape == "nemotron4b":
-            from stitch_nemotron.kernels import use_varlen
-        else:
-            from stitch_qwen.kernels import use_varlen
-        kernel_path = "pytorch reference"
-        if varlen_kernels_ready():
-            use_varlen(lm)
-            kernel_path = f"fla ({use_varlen.__module__}, varlen packing)"
+    # what load_model does for a real checkpoint: the binding's load hook (fused kernels; a hybrid's varlen path)
+    installed = spec.install_sample_starts(lm) if spec.install_sample_starts is not None else False
+    if shape != "dense4b":
+        kernel_path = "fla (varlen packing)" if installed else "pytorch reference"
+    fused = fused_kernel_counts(lm)
     n_matmul = matmul_params(lm)
     n_total = sum(p.numel() for p in lm.parameters())
     hidden = lm.config.get_text_config().hidden_size
@@ -291,6 +287,7 @@ def build_stitched(shape: str, args, host, device):
         "attn_implementation": lm.get_base_model().config._attn_implementation,
         "packed_attention": packed_attention_path(device, lm),
         "half_compute": model.half_compute,
+        "fused_kernels": fused,
         "loss_path": "liger fused linear CE" if uses_liger(torch.empty(0, device=device)) else "chunked linear CE",
         "model_spec": spec_name,
         "supports_packing": spec.packs(),
@@ -308,6 +305,18 @@ def build_stitched(shape: str, args, host, device):
         "projector_params": sum(p.numel() for p in groups[0]["params"]),
     }
     return model, optimizer, groups, ids, info
+
+
+def fused_kernel_counts(lm) -> dict:
+    """Modules running liger's fused kernels on GPU tensors (stitch_qwen.kernels.use_fused_kernels), by kind."""
+    from stitch_qwen import kernels
+
+    counts = {"rms_norm": 0, "swiglu": 0}
+    for module in lm.modules():
+        counts["rms_norm"] += isinstance(module, kernels._FusedRMSNorm)
+        counts["swiglu"] += isinstance(module, kernels._FusedSwiGLU)
+    counts["liger_importable"] = kernels.liger_functions() is not None
+    return counts
 
 
 def clip_tower(device, smoke: bool):
@@ -464,27 +473,42 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
     casting = [m for m in lm.modules() if getattr(m, "cast_input_dtype_enabled", True) is False]
     for module in casting:
         module.cast_input_dtype_enabled = True
+    # and transformers' own RMSNorm / MLP / RoPE code in place of stitch_qwen's fused kernels
+    from stitch_qwen.kernels import restore_reference_kernels, use_fused_kernels
+
+    fused = fused_kernel_counts(lm)["rms_norm"] > 0
+    restore_reference_kernels(lm)
     gen = torch.Generator().manual_seed(1)
     vocab = info["vocab_size"]
     times, warm = [], []
     reset_peak()
     model.train()
+
+    def one_step():
+        ids = torch.randint(16, vocab - 16, (args.rows, args.budget), generator=gen).to(device)
+        embeds = lm.get_input_embeddings()(ids)
+        loss = lm(inputs_embeds=embeds, labels=ids, use_cache=False).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+        optimizer.step()
+        return loss
+
+    profile = None
     try:
         for step in range(args.warmup + args.steps):
-            ids = torch.randint(16, vocab - 16, (args.rows, args.budget), generator=gen).to(device)
             t0 = time.perf_counter()
-            embeds = lm.get_input_embeddings()(ids)
-            loss = lm(inputs_embeds=embeds, labels=ids, use_cache=False).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
-            optimizer.step()
+            loss = one_step()
             sync()
             (warm if step < args.warmup else times).append(time.perf_counter() - t0)
+        if args.profile and "stock" in args.profile_modes.split(","):
+            profile = profile_steps(one_step, args.profile)
     finally:
         base.set_attn_implementation(shipped_attn)
         if swapped:
             lora_in_half_compute(lm)
+        if fused:
+            use_fused_kernels(lm)
     total, tokens = sum(times), args.rows * args.budget
     tokens_per_s = tokens * len(times) / total
     return {
@@ -504,6 +528,8 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
         "note": "transformers' own forward + loss on one causal row per step (no image tokens, every token "
                 "labelled), peft's own LoRA compute",
         "lora_compute": "peft default (fp32 adapter weights)" if swapped or casting else "as built",
+        "norm_mlp_rope": "transformers' own (stitch's fused kernels switched off for this mode)",
+        **({"profile": profile} if profile else {}),
     }
 
 
@@ -600,6 +626,15 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
         try:
             if mode == "stock":
                 modes[mode] = run_stock(model, optimizer, groups, args, info, device)
+            elif mode == "packed_unfused":  # the shipped packed step with transformers' own norms / MLP / RoPE
+                from stitch_qwen.kernels import restore_reference_kernels, use_fused_kernels
+
+                restore_reference_kernels(model.lm)
+                try:
+                    modes[mode] = {**run_mode("packed", model, optimizer, groups, samples, pixels, args, ids, info,
+                                              device), "mode": mode}
+                finally:
+                    use_fused_kernels(model.lm)
             else:
                 modes[mode] = run_mode(mode, model, optimizer, groups, samples, pixels, args, ids, info, device)
         except torch.OutOfMemoryError as exc:

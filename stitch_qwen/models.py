@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from stitch.api import ModelSource, ModelSpec, varlen_kernels_ready
-from stitch_qwen.kernels import use_varlen
+from stitch_qwen.kernels import install_fused_kernels, use_fused_kernels, use_varlen
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.tiny import TINY_HIDDEN, build_qwen35_demo, build_qwen35_moe_tiny, build_qwen35_tiny
 from stitch_qwen.vlm_layout import VLM_TO_TEXT
@@ -64,6 +64,7 @@ def install_sample_starts(model: Any) -> bool:
     Called by the core's ``load_model`` (``ModelSpec.install_sample_starts``); a missing or broken fla is
     reported there too (``kernel_report``), so here it is enough to say nothing was installed.
     """
+    use_fused_kernels(model)  # liger's RMSNorm / SwiGLU on GPU tensors where installed (stitch_qwen/kernels.py)
     if not varlen_kernels_ready():
         return False
     try:
@@ -139,6 +140,7 @@ def qwen_demo_spec() -> ModelSpec:
         },
         state_dict_adapter=VLM_TO_TEXT.name,
         supports_packing=True,
+        install_sample_starts=install_fused_kernels,  # packs natively; this only adds the fused kernels
         packing_note=DEMO_PACKING_NOTE,
         description="Tiny Qwen3.5-class LM (2 full-attention layers), pre-trained on task-style text: the "
         "CPU demo's base. Built locally in about 20 s on first use.",
