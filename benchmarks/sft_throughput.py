@@ -460,7 +460,7 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
     """Plain transformers on the same LM and LoRA: one causal row of ``--budget`` tokens per step (``--rows`` rows),
     ``lm(inputs_embeds=..., labels=...)`` with the attention implementation the LM was built with, then the same
     clip + AdamW. No projector, no packing: the reference speed for the same number of tokens."""
-    from stitch.model.precision import HalfComputeLinear, lora_in_half_compute
+    from stitch.model.precision import HalfComputeLinear, lora_in_half_compute, restore_peft_lora
 
     lm = model.lm
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
@@ -468,11 +468,8 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
     base.set_attn_implementation(args.attn)  # stitch switched it to stitch_varlen; stock runs what it was built with
     # and peft's own adapter compute (fp32 LoRA weights, activations cast to them), which StitchedModel replaced
     swapped = [m for m in lm.modules() if isinstance(m, HalfComputeLinear)]
-    for module in swapped:
-        module.__class__ = torch.nn.Linear
     casting = [m for m in lm.modules() if getattr(m, "cast_input_dtype_enabled", True) is False]
-    for module in casting:
-        module.cast_input_dtype_enabled = True
+    restore_peft_lora(lm)
     # and transformers' own RMSNorm / MLP / RoPE code in place of stitch_qwen's fused kernels
     from stitch_qwen.kernels import restore_reference_kernels, use_fused_kernels
 

@@ -147,3 +147,23 @@ def test_cuda_graph_replay_equals_the_eager_fixed_cache_decoder_on_a_gpu():
     a = graphed.decode(batch, mask, 1, 24, eos_id=3, pad_id=PAD, suppress_ids=SUPPRESS, greedy=True)
     same = sum(c.token_ids == a.tokens[i, : len(c.token_ids)].tolist() for i, c in enumerate(stock))
     assert same >= len(stock) - 2  # bf16 near-ties may flip a row; the rest match generate exactly
+
+
+def test_grouped_decode_attention_equals_sdpa_over_repeated_kv_heads_under_a_key_mask():
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from stitch.model.attention import grouped_decode_applies, grouped_decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, kv, length, dim = 3, 8, 2, 11, 16
+    q = torch.randn(rows, heads, 1, dim, generator=gen)
+    k, v = (torch.randn(rows, kv, length, dim, generator=gen) for _ in range(2))
+    mask = torch.rand(rows, 1, 1, length, generator=gen) > 0.4
+    mask[..., 0] = True
+    assert grouped_decode_applies(q, k, mask, 0.0)
+    assert not grouped_decode_applies(q, k, None, 0.0) and not grouped_decode_applies(q, k.repeat(1, 4, 1, 1), mask, 0)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask,
+                                                                 scale=0.3)
+    out = grouped_decode_attention(q, k, v, mask, 0.3)
+    assert out.shape == (rows, 1, heads, dim)
+    assert torch.allclose(out, reference.transpose(1, 2), atol=1e-6, rtol=0)

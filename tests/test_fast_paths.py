@@ -218,12 +218,12 @@ def test_flash_varlen_equals_per_sample_sdpa_on_a_gpu():
         assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
 
 
-def test_bf16_lm_trains_lora_and_projector_in_bf16_on_fp32_master_weights():
+def test_bf16_lm_trains_lora_and_projector_in_bf16_on_fp32_master_weights(monkeypatch):
     import copy
 
     from peft import LoraConfig, get_peft_model
 
-    from stitch.model.precision import HalfComputeLinear
+    from stitch.model import precision
 
     host = load_plugins()
     spec = host.get("models", "qwen3.5-demo")
@@ -240,20 +240,25 @@ def test_bf16_lm_trains_lora_and_projector_in_bf16_on_fp32_master_weights():
     assert trainable and all(p.dtype == torch.float32 for p in trainable.values())  # the masters
 
     # the reference: peft's own fp32 adapter compute (activations cast to fp32), the projector in fp32
-    for module in reference.modules():
-        if isinstance(module, HalfComputeLinear):
-            module.__class__ = torch.nn.Linear
-        if hasattr(module, "cast_input_dtype_enabled"):
-            module.cast_input_dtype_enabled = True
+    precision.restore_peft_lora(reference)  # the projector too: its HalfComputeLinear layers go back
+    assert not any(isinstance(m, precision.HalfComputeLinear) for m in reference.modules())
     reference._projector_input_dtype = None
 
     seen = []
-    first_a = next(m for n, m in model.named_modules() if n.endswith("lora_A.default"))
-    first_a.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    product = precision.LoRAProduct.apply
+
+    def recording(x, weight, bias, a, b, scaling):
+        out = product(x, weight, bias, a, b, scaling)
+        seen.append((x.dtype, a.dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(precision.LoRAProduct, "apply", recording)
     batch = collate_packs([samples(model)], pad_id=0, packed=True)
     loss, grads = loss_and_grads(model, batch)
     ref_loss, ref_grads = loss_and_grads(reference, batch)
-    assert seen and seen[0] == (torch.bfloat16, torch.bfloat16)  # the adapter's product ran in bf16
+    # every adapter product ran in bf16 on the fp32 masters; the reference (peft's path) never went through it
+    assert len(seen) == model.half_compute["lora_layers"]
+    assert set(seen) == {(torch.bfloat16, torch.float32, torch.bfloat16)}
     assert abs(loss - ref_loss) < 2e-2 * abs(ref_loss)
     for name, grad in grads.items():
         assert grad.dtype == torch.float32

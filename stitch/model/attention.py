@@ -2,7 +2,8 @@
 
 Packed rows cost Σsᵢ² instead of the row length squared: on CUDA through ``torch.nn.attention.varlen.varlen_attn``
 (flash attention over one flattened row with the sample starts), elsewhere through causal SDPA run sample by sample.
-Every other call (padded batches, generation with a cache) is transformers' own SDPA with its usual mask.
+Every other call (padded batches, generation with a cache) is transformers' own SDPA with its usual mask, except a
+grouped-query decode step, which reads the shared kv heads without repeating them (same result).
 """
 
 from __future__ import annotations
@@ -101,6 +102,25 @@ def attend_flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return out.transpose(0, 1).unsqueeze(0)
 
 
+def grouped_decode_applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, dropout: float) -> bool:
+    """A decode step (one query token per row) of grouped-query attention under a boolean key mask."""
+    return (query.shape[2] == 1 and key.shape[1] < query.shape[1] and query.shape[1] % key.shape[1] == 0
+            and mask is not None and mask.dtype == torch.bool and mask.shape[2] == 1 and dropout == 0.0)
+
+
+def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                             scaling: float | None) -> torch.Tensor:
+    """One query token per row, q [B, H, 1, D], k/v [B, Hkv, L, D], mask [B, 1, 1, L] -> [B, 1, H, D].
+
+    The query heads that share a kv head attend as that head's query rows, so each key is read once: transformers'
+    SDPA path repeats k/v to every query head first (a full copy of the cache per layer and step)."""
+    rows, heads, _, dim = query.shape
+    kv = key.shape[1]
+    grouped = query.reshape(rows, kv, heads // kv, dim)  # head h reads kv head h // (heads // kv), as repeat_kv
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous()
+
+
 def stitch_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                             **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -109,6 +129,8 @@ def stitch_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: t
 
     cu = kwargs.get("cu_seq_lens_q")
     packed = cu is not None and attention_mask is None and query.shape[2] == key.shape[2]
+    if grouped_decode_applies(query, key, attention_mask, dropout):
+        return grouped_decode_attention(query, key, value, attention_mask, scaling), None
     if not packed or not getattr(module, "is_causal", True):
         if _PACKED_CALL.get() and attention_mask is None and query.shape[2] > 1:
             raise RuntimeError(

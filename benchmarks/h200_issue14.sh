@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The H200 runs of issue 14, one device call per phase (each well under the 10-minute command limit):
+#   bash benchmarks/h200_issue14.sh dense     # GPU tests, GRPO rollout engines, dense SFT with a profile
+#   bash benchmarks/h200_issue14.sh hybrids   # Qwen3.5-4B and Nemotron-Nano-4B shapes with fla, four modes each
+#   bash benchmarks/h200_issue14.sh round2    # the second call: GPU tests, GRPO, dense SFT, then Qwen3.5-4B with fla
+# Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh); results and logs go to $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-liger/*.whl .whl-pydantic/*.whl
+bash benchmarks/device_site.sh /tmp/site >/dev/null
+export PYTHONPATH=/tmp/site:.
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+case "${1:-dense}" in
+  dense)
+    timeout 240 python3 -m pytest -q -x -k gpu tests/test_decode_static.py tests/test_perf_fused_kernels.py \
+      tests/test_fast_paths.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    timeout 300 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch,generate --prompts 8 --group 8 \
+      --micro-batch-size 16 --tag _graph --out "$OUT" 2>&1 | tee "$OUT/grpo.log" | grep -v "^USDT" | tail -8
+    timeout 240 python3 benchmarks/sft_throughput.py --shapes dense4b --modes packed,packed_unfused,baseline,stock \
+      --profile 2 --profile-modes packed,stock --tag _fused --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-400
+    ;;
+  round2)
+    bash benchmarks/install_kernels.sh /tmp/fla
+    timeout 150 python3 -m pytest -q -x -k gpu tests/test_decode_static.py tests/test_perf_fused_kernels.py \
+      tests/test_perf_lora_product.py tests/test_fast_paths.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -2
+    timeout 150 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch,generate --prompts 8 --group 8 \
+      --micro-batch-size 16 --steps 3 --warmup 1 --skip-parity --profile-rollout 1 --tag _graph2 --out "$OUT" 2>&1 \
+      | tee "$OUT/grpo.log" | grep -E "^(stitch|generate) \||rollout tok/s"
+    timeout 120 python3 benchmarks/sft_throughput.py --shapes dense4b --modes packed,packed_unfused,baseline,stock \
+      --profile 2 --tag _fused2 --out "$OUT" 2>&1 | tee "$OUT/sft.log" | grep -E "stock =|tokens_per_s\": [0-9]" \
+      | cut -c1-300
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 360 python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 4 --warmup 2 --tag _fla_all \
+      --modes packed,stock,baseline,cached_padded --out "$OUT" 2>&1 | tee "$OUT/qwen35.log" \
+      | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-300
+    ;;
+  hybrids)
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 330 python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 4 --warmup 2 --tag _fla_all \
+      --out "$OUT" 2>&1 | tee "$OUT/qwen35.log" | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-300
+    timeout 240 python3 benchmarks/sft_throughput.py --shapes nemotron4b --steps 3 --warmup 1 --tag _fla_all \
+      --out "$OUT" 2>&1 | tee "$OUT/nemotron.log" | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-300
+    ;;
+esac
+ls -la "$OUT"
