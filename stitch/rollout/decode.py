@@ -54,7 +54,6 @@ class SlotKVCache:
     the new keys at the cache slots held in ``slots`` (a device tensor, so a captured graph replays at new slots)
     and returns the whole buffer. Duck-types the part of transformers' ``Cache`` that attention layers call."""
 
-    is_compileable = True
 
     def __init__(self, length: int, slots: torch.Tensor) -> None:
         self.length = length
@@ -164,7 +163,9 @@ def padded_length(width: int, max_new_tokens: int, multiple: int = 64) -> int:
 
 class StaticDecoder:
     """Prefill + fixed-cache decode of a transformers causal LM (or a peft model around one), graphs kept per
-    (rows, cache length, weights) so that GRPO's repeated rollouts of one shape capture once."""
+    (rows, cache length, weights) so that GRPO's repeated rollouts of one shape capture once. The last
+    ``GRAPHS_KEPT`` steps stay allocated between calls (their KV cache: 2.25 GiB for 64 rows x 256 slots of the dense
+    4B shape), and a parameter replaced by a new tensor (not updated in place) makes a new graph."""
 
     def __init__(self, lm: torch.nn.Module, use_graphs: bool | None = None) -> None:
         self.lm = causal_lm(lm)
