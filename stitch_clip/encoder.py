@@ -15,7 +15,11 @@ TOKENS_PER_ITEM = 49  # (224 / 32) ** 2 patches; the CLS token is dropped
 SELECT_LAYER = -2  # LLaVA's choice: the penultimate layer's patch tokens
 CLIP_REPO = "openai/clip-vit-base-patch32"
 CLIP_REVISION = "3d74acf9a28c67741b2f4f2ea7635f0aaf6f0268"
-PAYLOAD = "clip_image"  # the rollout payload both CLIP encoders' features travel in (registered in __init__)
+PAYLOAD = "clip_image"  # the rollout payload ViT-B/32-wide features travel in (registered in __init__)
+# The CPU demo's tower: ViT-B/32's grid (49 patch tokens of 32 px) at a third of its width, so preparing
+# thousands of rows takes seconds on two cores and their cache stays small (49 x 256 x 2 bytes = 24.5 KiB).
+DEMO_FEATURE_WIDTH = 256
+DEMO_PAYLOAD = "clip_image_demo"
 
 
 def decode_image(value: Any) -> Any:
@@ -44,47 +48,94 @@ def decode_image(value: Any) -> Any:
         raise ValueError(f"cannot decode image: {exc}") from exc
 
 
-class ClipImageEncoder:
-    """Frozen CLIPVisionModel + CLIPImageProcessor; ``encode`` returns [B, 49, 768]."""
+def drop_unused_layers(model: Any, select_layer: int = SELECT_LAYER) -> Any:
+    """Cut the tower after the layer whose output is used: with ``select_layer`` -2 the last layer's work is
+    thrown away, so it is never run. The truncated tower's ``last_hidden_state`` (CLIP applies its
+    ``post_layernorm`` to the pooled CLS token only) equals the full tower's ``hidden_states[select_layer]``."""
+    tower = getattr(model, "vision_model", model)  # older transformers nest the tower one level down
+    layers = tower.encoder.layers
+    keep = len(layers) + select_layer + 1
+    if not 0 < keep <= len(layers):
+        raise ValueError(f"select layer {select_layer} does not exist in a {len(layers)}-layer tower")
+    tower.encoder.layers = layers[:keep]
+    model.config.num_hidden_layers = keep
+    return model
 
-    def __init__(self, model: Any, processor: Any, device: torch.device, dtype: torch.dtype) -> None:
+
+class ClipPixels:
+    """CLIP's preprocessing for a batch: images already at the crop size skip the resize and crop (both are the
+    identity there) and go straight to one vectorised rescale + normalise; any other size goes through the
+    snapshot's own ``CLIPImageProcessor``. Same pixel values as the processor, a fraction of its time."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        crop = processor.crop_size
+        self.size = (crop["width"], crop["height"])
+        self.scale = float(processor.rescale_factor)
+        self.mean = torch.tensor(processor.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(processor.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+        self.fast = bool(processor.do_rescale and processor.do_normalize)
+
+    def __call__(self, items: list[Any]) -> torch.Tensor:
+        import numpy as np
+
+        if not self.fast or any(getattr(item, "size", None) != self.size for item in items):
+            return self.processor(images=items, return_tensors="pt")["pixel_values"]
+        arrays = np.stack([np.asarray(item.convert("RGB"), dtype=np.uint8) for item in items])
+        pixels = torch.from_numpy(arrays).permute(0, 3, 1, 2).to(torch.float32)
+        return (pixels * self.scale - self.mean) / self.std
+
+
+class ClipImageEncoder:
+    """Frozen CLIPVisionModel + CLIPImageProcessor; ``encode`` returns [B, 49, width] (768 for ViT-B/32)."""
+
+    def __init__(self, model: Any, processor: Any, device: torch.device, dtype: torch.dtype,
+                 feature_width: int = FEATURE_WIDTH) -> None:
+        model = drop_unused_layers(model)
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.processor = processor
+        self.pixels = ClipPixels(processor)
         self.device = device
         self.dtype = dtype
+        self.feature_width = feature_width
 
     @torch.no_grad()  # not inference_mode: its tensors could not flow into a trainable projector
     def encode(self, items: list[Any]) -> torch.Tensor:
-        pixels = self.processor(images=items, return_tensors="pt")["pixel_values"]
-        out = self.model(pixel_values=pixels.to(self.device, self.dtype), output_hidden_states=True)
-        patches = out.hidden_states[SELECT_LAYER][:, 1:, :]
-        if tuple(patches.shape[1:]) != (TOKENS_PER_ITEM, FEATURE_WIDTH):
+        pixels = self.pixels(items)
+        out = self.model(pixel_values=pixels.to(self.device, self.dtype))
+        patches = out.last_hidden_state[:, 1:, :]
+        if tuple(patches.shape[1:]) != (TOKENS_PER_ITEM, self.feature_width):
             raise ValueError(
                 f"CLIP snapshot produced features {tuple(patches.shape[1:])}; this encoder declares "
-                f"({TOKENS_PER_ITEM}, {FEATURE_WIDTH}): use a ViT-B/32 at 224 px"
+                f"({TOKENS_PER_ITEM}, {self.feature_width}): use a ViT-B/32-shaped tower at 224 px"
             )
         return patches
 
 
-def load_clip(source: ModelSource, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+def load_clip(source: ModelSource, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+              feature_width: int = FEATURE_WIDTH):
     from transformers import CLIPImageProcessor, CLIPVisionModel
 
     kwargs = source.pretrained_kwargs()
     model = CLIPVisionModel.from_pretrained(**kwargs, use_safetensors=True)
     processor = CLIPImageProcessor.from_pretrained(**kwargs)
-    return ClipImageEncoder(model, processor, torch.device(device), dtype)
+    return ClipImageEncoder(model, processor, torch.device(device), dtype, feature_width)
 
 
-def build_tiny_clip(out_dir: Path) -> None:
-    """A random-init CLIPVisionModel snapshot (2 layers) with ViT-B/32's 49 x 768 output contract."""
+def load_demo_clip(source: ModelSource, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    return load_clip(source, device, dtype, DEMO_FEATURE_WIDTH)
+
+
+def build_tiny_clip(out_dir: Path, width: int = FEATURE_WIDTH) -> None:
+    """A random-init CLIPVisionModel snapshot (2 layers) with ViT-B/32's 49-token grid, ``width`` wide."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     torch.manual_seed(0)
     config = CLIPVisionConfig(
-        hidden_size=FEATURE_WIDTH,
-        intermediate_size=1024,
+        hidden_size=width,
+        intermediate_size=1024 if width == FEATURE_WIDTH else 2 * width,
         num_hidden_layers=2,
-        num_attention_heads=12,
+        num_attention_heads=12 if width == FEATURE_WIDTH else width // 64,
         image_size=224,
         patch_size=32,
         projection_dim=512,
@@ -120,5 +171,22 @@ CLIP_TINY = EncoderSpec(
     load=load_clip,
     decode_item=decode_image,
     payload=PAYLOAD,
-    description="random-init 2-layer CLIPVisionModel with ViT-B/32's 49 x 768 contract (tests, demo)",
+    description="random-init 2-layer CLIPVisionModel with ViT-B/32's 49 x 768 contract (tests)",
+)
+
+
+def build_demo_clip(out_dir: Path) -> None:
+    build_tiny_clip(out_dir, DEMO_FEATURE_WIDTH)
+
+
+CLIP_DEMO = EncoderSpec(
+    name="clip-demo",
+    modality="image",
+    feature_width=DEMO_FEATURE_WIDTH,
+    tokens_per_item=TOKENS_PER_ITEM,
+    source=ModelSource(builder=build_demo_clip, builder_key="clip-demo-v1"),
+    load=load_demo_clip,
+    decode_item=decode_image,
+    payload=DEMO_PAYLOAD,
+    description="random-init 2-layer CLIPVisionModel on ViT-B/32's 49-patch grid, 256 wide (the CPU demo)",
 )

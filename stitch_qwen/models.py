@@ -131,7 +131,7 @@ def qwen_demo_spec() -> ModelSpec:
         name="qwen3.5-demo",
         architecture="Qwen3_5ForCausalLM",
         sentinels=SENTINELS.name,
-        source=ModelSource(builder=build_qwen35_demo, builder_key="qwen3.5-demo-v1"),
+        source=ModelSource(builder=build_qwen35_demo, builder_key="qwen3.5-demo-v3"),
         hidden_size=TINY_HIDDEN,
         lora_target_modules=FULL_ATTENTION,
         lora_exclusions={

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from annotated_types import Ge
+from annotated_types import Ge, Le
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -63,15 +63,36 @@ class BuiltinSource:
     rows: PositiveInt = Field(description="rows generated")
     caption_rows: Annotated[Int, Ge(0)] = Field(0, description="leading rows that ask for a caption, not a count")
     seed: Int = Field(0, description="generator seed")
+    annotator_rows: tuple[Annotated[Int, Ge(0)], Annotated[Int, Ge(0)]] | None = Field(
+        None, description="(counting-shapes) rows [start, end) labelled by a simulated annotator instead of the "
+        "scene's true count; null: every row carries the true count")
+    annotator_undercount: Annotated[float, Ge(0), Le(1)] = Field(
+        0.0, description="(counting-shapes) probability that the annotator labels a scene of the most objects "
+        "(8) one too few")
 
     @model_validator(mode="after")
     def _captions_fit(self) -> BuiltinSource:
         if self.caption_rows > self.rows:
             raise field_error("caption_rows", f"an integer in [0, rows={self.rows}]", self.caption_rows)
+        if self.annotator_rows is not None:
+            start, end = self.annotator_rows
+            if self.builtin != "counting-shapes":
+                raise field_error("annotator_rows", "null (only counting-shapes has an annotator)",
+                                  list(self.annotator_rows))
+            if not start < end <= self.rows:
+                raise field_error("annotator_rows", f"[start, end] with start < end <= rows={self.rows}",
+                                  list(self.annotator_rows))
         return self
 
+    def generator_options(self) -> dict[str, Any]:
+        """Keyword arguments of the generator beyond rows, caption rows and seed (only those set)."""
+        if self.annotator_rows is None:
+            return {}
+        return {"annotator_rows": tuple(self.annotator_rows), "undercount": self.annotator_undercount}
+
     def describe(self) -> str:
-        return f"builtin:{self.builtin}(rows={self.rows},caption_rows={self.caption_rows},seed={self.seed})"
+        extra = "".join(f",{k}={v}" for k, v in self.generator_options().items())
+        return f"builtin:{self.builtin}(rows={self.rows},caption_rows={self.caption_rows},seed={self.seed}{extra})"
 
 
 @dataclass(frozen=True, config=_DATACLASS_CONFIG)

@@ -110,7 +110,8 @@ def open_stream(source: DataSource, cache_dir: Path) -> Any:
     if isinstance(source, BuiltinSource):
         from stitch.demo.data import ensure_builtin
 
-        parquet = ensure_builtin(source.builtin, source.rows, source.caption_rows, source.seed)
+        parquet = ensure_builtin(source.builtin, source.rows, source.caption_rows, source.seed,
+                                 **source.generator_options())
         return load_dataset("parquet", data_files=str(parquet), split="train", **common)
     if isinstance(source, LocalSource):
         if not source.path.exists():

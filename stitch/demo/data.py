@@ -7,14 +7,17 @@ Each is written to disk as a real parquet dataset (image column = ``{bytes, path
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, ImageDraw
 
-from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, SHAPES, SIZES, answer_text
+from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, MAX_OBJECTS, SHAPES, SIZES, answer_text
 
 IMAGE_SIZE = 224
 BACKGROUND = (235, 235, 235)
@@ -27,8 +30,14 @@ RGB = {
     "cyan": (40, 200, 210),
 }
 RADIUS = {"small": 14, "large": 28}
-MAX_OBJECTS = 5
-VERSION = 1  # bump when the rendering or the row layout changes: it keys the on-disk copy
+# Counting scenes put each object inside its own cell of the 7 x 7 grid of 32-px patches that a ViT-B/32-shaped
+# tower cuts a 224-px image into: one object, one patch token. A random-init tower then hands the LM a count it
+# can read off its tokens (free placement splits a shape over up to four patches and a size over one to six,
+# which capped the demo near 55 %); a pre-trained CLIP needs no such help.
+GRID = 7
+CELL = IMAGE_SIZE // GRID
+CELL_RADIUS = {"small": 9, "large": 13}
+VERSION = 3  # bump when the rendering or the row layout changes: it keys the on-disk copy
 COLORS_VERSION = 2  # the same for shape-colors
 
 
@@ -44,24 +53,34 @@ class SceneObject:
         return f"a {self.size} {self.color} {self.shape}"
 
 
-def sample_scene(rng: random.Random) -> list[SceneObject]:
-    """1-5 non-overlapping objects with random shape, color, size and position."""
-    count = rng.randint(1, MAX_OBJECTS)
+def balanced_count(seed: int, index: int, most: int = MAX_OBJECTS) -> int:
+    """Row ``index``'s object count: rows ``8k..8k+7`` hold the counts 1..8 in a seeded order, so a partition
+    of a multiple of 8 rows is exactly balanced and always giving one answer scores exactly 1/8."""
+    block = random.Random(f"counting-shapes:{seed}:counts:{index // most}").sample(range(1, most + 1), most)
+    return block[index % most]
+
+
+def sample_scene(rng: random.Random, count: int | None = None) -> list[SceneObject]:
+    """``count`` (default: 1..MAX_OBJECTS at random) objects with random shape, color and size, each in its own
+    grid cell (jittered inside it), listed in reading order: the order of the tower's patch tokens."""
+    count = rng.randint(1, MAX_OBJECTS) if count is None else count
     objects: list[SceneObject] = []
-    while len(objects) < count:
+    for cell in sorted(rng.sample(range(GRID * GRID), count)):
         size = rng.choice(SIZES)
-        r = RADIUS[size]
-        x, y = rng.randint(r + 2, IMAGE_SIZE - r - 2), rng.randint(r + 2, IMAGE_SIZE - r - 2)
-        if all((x - o.x) ** 2 + (y - o.y) ** 2 > (r + RADIUS[o.size] + 4) ** 2 for o in objects):
-            objects.append(SceneObject(rng.choice(SHAPES), rng.choice(COLORS), size, x, y))
+        slack = CELL // 2 - CELL_RADIUS[size] - 1
+        x = (cell % GRID) * CELL + CELL // 2 + rng.randint(-slack, slack)
+        y = (cell // GRID) * CELL + CELL // 2 + rng.randint(-slack, slack)
+        objects.append(SceneObject(rng.choice(SHAPES), rng.choice(COLORS), size, x, y))
     return objects
 
 
-def render_scene(objects: list[SceneObject]) -> Image.Image:
+def render_scene(objects: list[SceneObject], radius: dict[str, int] | None = None) -> Image.Image:
+    """The scene on a plain background; ``radius`` maps a size to pixels (the counting grid's by default)."""
+    radius = CELL_RADIUS if radius is None else radius
     image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND)
     draw = ImageDraw.Draw(image)
     for o in objects:
-        r, fill = RADIUS[o.size], RGB[o.color]
+        r, fill = radius[o.size], RGB[o.color]
         if o.shape == "circle":
             draw.ellipse((o.x - r, o.y - r, o.x + r, o.y + r), fill=fill)
         elif o.shape == "square":
@@ -89,21 +108,35 @@ def png_bytes(image: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def make_rows(rows: int, caption_rows: int = 0, seed: int = 0) -> list[dict]:
+def annotated_count(count: int, rng: random.Random, undercount: float) -> int:
+    """What a hurried annotator writes down: the true count, except that a scene of the most objects is
+    called one fewer with probability ``undercount`` (crowded scenes are the ones people miscount)."""
+    return count - 1 if count == MAX_OBJECTS and rng.random() < undercount else count
+
+
+def make_rows(rows: int, caption_rows: int = 0, seed: int = 0, annotator_rows: tuple[int, int] | None = None,
+              undercount: float = 0.0) -> list[dict]:
     """Rows ``0..caption_rows-1`` ask for a caption (alignment); the rest ask for the count (SFT/GRPO).
 
-    Each row's scene depends only on ``(seed, index)``, so a longer dataset extends a shorter one.
+    Rows in ``annotator_rows`` ``[start, end)`` answer with ``annotated_count`` (the demo's SFT partition: a
+    supervised stage learns the annotator's habit), every other row with the true count, which the ``count``
+    column always holds. Each row's scene depends only on ``(seed, index)``, so a longer dataset extends a
+    shorter one.
     """
     out = []
     for i in range(rows):
-        objects = sample_scene(random.Random(f"counting-shapes:{seed}:{i}"))
+        rng = random.Random(f"counting-shapes:{seed}:{i}")
+        objects = sample_scene(rng, balanced_count(seed, i))
         caption = i < caption_rows
+        stated = len(objects)
+        if annotator_rows is not None and annotator_rows[0] <= i < annotator_rows[1] and not caption:
+            stated = annotated_count(stated, rng, undercount)
         out.append(
             {
                 "id": f"shapes-{seed}-{i:06d}",
                 "image": {"bytes": png_bytes(render_scene(objects)), "path": f"shapes-{seed}-{i:06d}.png"},
                 "question": CAPTION_QUESTION if caption else COUNT_QUESTION,
-                "answer": caption_text(objects) if caption else answer_text(len(objects)),
+                "answer": caption_text(objects) if caption else answer_text(stated),
                 "count": len(objects),
                 "task": "caption" if caption else "count",
             }
@@ -129,7 +162,7 @@ def make_color_rows(rows: int, caption_rows: int = 0, seed: int = 0) -> list[dic
         out.append(
             {
                 "id": f"colors-{seed}-{i:06d}",
-                "image": {"bytes": png_bytes(render_scene([obj])), "path": f"colors-{seed}-{i:06d}.png"},
+                "image": {"bytes": png_bytes(render_scene([obj], RADIUS)), "path": f"colors-{seed}-{i:06d}.png"},
                 "question": CAPTION_QUESTION if caption else color_question(obj.shape),
                 "answer": caption_text([obj]) if caption else color_answer(obj.color),
                 "color": obj.color,
@@ -158,13 +191,15 @@ def _generator(builtin: str):
     return BUILTIN_GENERATORS[builtin]
 
 
-def write_builtin(out_dir: Path, builtin: str, rows: int, caption_rows: int = 0, seed: int = 0) -> Path:
-    """Write a builtin dataset as ``out_dir/data/train-00000-of-00001.parquet``; returns that file."""
+def write_builtin(out_dir: Path, builtin: str, rows: int, caption_rows: int = 0, seed: int = 0,
+                  **options: Any) -> Path:
+    """Write a builtin dataset as ``out_dir/data/train-00000-of-00001.parquet``; returns that file.
+    ``options`` go to the generator (``make_rows``'s annotator)."""
     import pyarrow.parquet as pq
     from datasets import Dataset, Features, Value
     from datasets import Image as ImageFeature
 
-    table = _generator(builtin)[0](rows, caption_rows, seed)
+    table = _generator(builtin)[0](rows, caption_rows, seed, **options)
     features = Features({
         key: ImageFeature() if key == "image" else Value("int32") if isinstance(value, int) else Value("string")
         for key, value in table[0].items()
@@ -182,13 +217,15 @@ def write_counting_shapes(out_dir: Path, rows: int, caption_rows: int = 0, seed:
     return write_builtin(out_dir, "counting-shapes", rows, caption_rows, seed)
 
 
-def ensure_builtin(builtin: str, rows: int, caption_rows: int = 0, seed: int = 0) -> Path:
+def ensure_builtin(builtin: str, rows: int, caption_rows: int = 0, seed: int = 0, **options: Any) -> Path:
     """The parquet file of a builtin dataset, generated once into the stitch cache (atomically)."""
     from stitch.model.snapshots import ensure_snapshot
 
     version = _generator(builtin)[1]
     key = f"{builtin}-v{version}-r{rows}-c{caption_rows}-s{seed}"
-    root = ensure_snapshot(f"dataset-{key}", lambda d: write_builtin(d, builtin, rows, caption_rows, seed))
+    if options:
+        key += "-" + hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
+    root = ensure_snapshot(f"dataset-{key}", lambda d: write_builtin(d, builtin, rows, caption_rows, seed, **options))
     return root / "data" / "train-00000-of-00001.parquet"
 
 

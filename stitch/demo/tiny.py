@@ -12,6 +12,7 @@ SHAPES = ("circle", "square", "triangle")
 SIZES = ("small", "large")
 COUNT_QUESTION = "How many objects are in the image?"
 CAPTION_QUESTION = "Describe the image."
+MAX_OBJECTS = 8  # the counting demo's scenes hold 1..MAX_OBJECTS objects
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 
 

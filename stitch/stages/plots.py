@@ -81,6 +81,9 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
         offset = 0
         for stage in ("sft", "grpo"):
             rows = curves[stage]
+            start = (summary.get("stages", {}).get(stage) or {}).get("eval_accuracy_start")
+            if rows and start is not None:  # GRPO's line starts at its donor, where SFT's ends
+                rows = [{"step": 0, "eval_accuracy": start}, *rows]
             if rows:
                 ax.plot([offset + r["step"] for r in rows], [r["eval_accuracy"] for r in rows], marker="o",
                         label=stage)
@@ -88,6 +91,9 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
         baseline = baseline_accuracy(summary)
         if baseline is not None:
             ax.axhline(baseline, color="gray", linestyle="--", label=f"majority answer {baseline:.0%}")
+        control = (summary.get("evaluation") or {}).get("zeroed_features_accuracy")
+        if control is not None:
+            ax.axhline(control, color="red", linestyle=":", label=f"zeroed features {control:.0%}")
         ax.set_ylim(0, 1)
         ax.set_xlabel("step (SFT, then GRPO)")
         ax.set_ylabel("held-out accuracy")
