@@ -104,7 +104,7 @@ def caption_text(objects: list[SceneObject]) -> str:
 
 def png_bytes(image: Image.Image) -> bytes:
     buf = io.BytesIO()
-    image.save(buf, format="PNG", optimize=False)
+    image.save(buf, format="PNG", compress_level=3)  # flat colours compress as well at 3 as at 6, twice as fast
     return buf.getvalue()
 
 
