@@ -33,7 +33,9 @@ def register_rollout_engines(register):
     from stitch.rollout.engines import EmbeddedEngine
 
     register(RolloutEngineSpec(
-        "embedded", EmbeddedEngine, "transformers generate(inputs_embeds=...) on the live policy (all architectures)"
+        "embedded", EmbeddedEngine,
+        "the live policy from prompt embeddings: fixed KV cache + CUDA-graph decode steps where the model allows "
+        "(attention-only Qwen/Llama on a GPU), transformers generate(inputs_embeds=...) elsewhere",
     ))
     if importlib.util.find_spec("vllm") is not None:  # vLLM itself is imported only when the engine is built
         from stitch.rollout.vllm_engine import vllm_engine_factory
