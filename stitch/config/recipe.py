@@ -52,6 +52,37 @@ class RecipeError(ValueError):
     """A recipe is malformed; the message names the file, the field, what was expected and what was found."""
 
 
+# -- the base model ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
+class ModelConfig:
+    """A registered model read from a local snapshot directory instead of its pinned hub source (offline use, or
+    a snapshot written by `stitch snapshot`)."""
+
+    name: Annotated[Text, Field(min_length=1)] = Field(description="a registered model (see `stitch models`)")
+    snapshot: Path | None = Field(
+        None, description="a local HF-format snapshot directory (config.json + safetensors) read instead of the "
+                          "model's hub source; relative paths resolve against the recipe file's folder. Refused at "
+                          "load when it lacks config.json or safetensors, or its hidden size is not the model's")
+
+    @field_validator("snapshot", mode="after")
+    @classmethod
+    def _absolute(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and not value.is_absolute():
+            base = (info.context or {}).get("base_dir") or Path.cwd()
+            value = Path(base) / value
+        return None if value is None else value.resolve()
+
+
+def _model_config(value: Any) -> Any:
+    """A bare model name is the short form of ``{name: ...}``."""
+    return {"name": value} if isinstance(value, str) else value
+
+
+ModelField = Annotated[ModelConfig, BeforeValidator(_model_config, json_schema_input_type=str | ModelConfig)]
+
+
 # -- data sources -------------------------------------------------------------------------------------------
 
 
@@ -368,7 +399,8 @@ class RecipeFile(Strict):
     """The schema of a recipe YAML file."""
 
     name: Annotated[Text, Field(min_length=1)] = Field(description="recipe name (default run directory runs/<name>)")
-    model: Annotated[Text, Field(min_length=1)] = Field(description="a registered model (see `stitch models`)")
+    model: ModelField = Field(description="a registered model name (see `stitch models`), or {name, snapshot} to "
+                                          "read it from a local snapshot directory")
     encoder: Annotated[Text, Field(min_length=1)] = Field(description="a registered encoder (see `stitch encoders`)")
     projector: Text = Field("mlp2x_gelu", description="a registered projector (see `stitch registry projectors`)")
     task: TaskField = Field(
@@ -425,6 +457,7 @@ class Recipe:
     path: Path | None = None
     parallel: ParallelConfig | None = None
     task: TaskConfig = plain_field(default_factory=lambda: TaskConfig(name=DEFAULT_TASK))
+    model_snapshot: Path | None = None  # read the model from this local snapshot instead of its hub source
 
     def stage_options(self, name: str) -> StageOptions:
         """The typed options of a stage this recipe declares; RecipeError naming the stage otherwise."""
@@ -441,7 +474,8 @@ class Recipe:
         """Every field of the recipe after overrides and defaults, as plain YAML-able data."""
         return {
             "name": self.name,
-            "model": self.model,
+            "model": self.model if self.model_snapshot is None else {"name": self.model,
+                                                                      "snapshot": str(self.model_snapshot)},
             "encoder": self.encoder,
             "projector": self.projector,
             "task": self.task.name if self.task.reward is None else _adapter(TaskConfig).dump_python(
@@ -499,7 +533,8 @@ def parse_recipe(mapping: Any, *, path: Path | None = None, overrides: Iterable[
         raise RecipeError(format_validation_error(exc, RecipeFile, where, overrides)) from None
     return Recipe(
         name=checked.name,
-        model=checked.model,
+        model=checked.model.name,
+        model_snapshot=checked.model.snapshot,
         encoder=checked.encoder,
         projector=checked.projector,
         data=checked.data,
