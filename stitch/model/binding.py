@@ -13,7 +13,7 @@ import torch
 
 from stitch.config.options import LoraOptions
 from stitch.data.sentinels import SentinelIds, resolve_sentinels
-from stitch.model.loading import load_model, load_tokenizer
+from stitch.model.loading import load_model, load_tokenizer, with_local_snapshot
 from stitch.plugins.specs import EncoderSpec, ModelSpec
 
 
@@ -30,9 +30,18 @@ class ModelBinding:
 
     @classmethod
     def resolve(cls, host: Any, model: str, encoder: str, projector: str, dtype: torch.dtype = torch.float32,
-                device: str | torch.device | None = None) -> ModelBinding:
-        """Look up the registrations by name and load the tokenizer (no model weights load here)."""
+                device: str | torch.device | None = None, snapshot: Path | None = None) -> ModelBinding:
+        """Look up the registrations by name and load the tokenizer (no model weights load here); ``snapshot``: a
+        local snapshot directory the model is read from instead of its source (checked here, before any load)."""
         model_spec = host.get("models", model)
+        if snapshot is not None:
+            model_spec = with_local_snapshot(model_spec, snapshot)
+        return cls.for_spec(host, model_spec, encoder, projector, dtype, device)
+
+    @classmethod
+    def for_spec(cls, host: Any, model_spec: ModelSpec, encoder: str, projector: str,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None) -> ModelBinding:
+        """``resolve`` for a model spec already in hand (e.g. one pointed at a local snapshot)."""
         encoder_spec = host.get("encoders", encoder)
         host.get("projectors", projector)
         tokenizer = load_tokenizer(model_spec)
@@ -47,7 +56,8 @@ class ModelBinding:
             from stitch.plugins.host import get_host
 
             host = get_host()
-        return cls.resolve(host, recipe.model, recipe.encoder, recipe.projector, dtype, device)
+        return cls.resolve(host, recipe.model, recipe.encoder, recipe.projector, dtype, device,
+                           snapshot=getattr(recipe, "model_snapshot", None))
 
     # -- text --------------------------------------------------------------------------------------
     @property
@@ -101,8 +111,6 @@ class ModelBinding:
         lm = self.load_lm() if lm is None else lm
         hidden = hidden_size(lm)
         projector = self.build_projector(hidden)
-        if projector_from is not None:
-            self.load_projector(projector, projector_from, hidden)
         projector.requires_grad_(train_projector)
         if adapter_from is not None:
             from peft import PeftModel
@@ -121,7 +129,11 @@ class ModelBinding:
                 bias="none",
             )
             lm = get_peft_model(lm, config)
-        return StitchedModel(lm, projector, self.sentinel_ids.placeholder).to(self.device)
+        model = StitchedModel(lm, projector, self.sentinel_ids.placeholder)
+        if projector_from is not None:  # after StitchedModel gave a half-precision projector its fp32 master weights,
+            # so a saved fp32 master loads exactly instead of rounded to the LM's dtype
+            self.load_projector(model.projector, projector_from, hidden)
+        return model.to(self.device)
 
     # -- provenance --------------------------------------------------------------------------------
     def provenance(self, hidden: int, stage: str) -> dict[str, Any]:
