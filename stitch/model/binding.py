@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from stitch.config.options import LoraOptions
-from stitch.data.sentinels import SentinelIds, resolve_sentinels
+from stitch.data.sentinels import SentinelError, SentinelIds, resolve_sentinels
 from stitch.model.loading import load_model, load_tokenizer, with_local_snapshot
 from stitch.plugins.specs import EncoderSpec, ModelSpec
 
@@ -46,6 +46,12 @@ class ModelBinding:
         host.get("projectors", projector)
         tokenizer = load_tokenizer(model_spec)
         sentinel_ids = resolve_sentinels(host.get("token_sentinels", model_spec.sentinels), tokenizer)
+        control = {"pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id}
+        clash = {role: name for role, i in sentinel_ids.as_dict().items() for name, c in control.items() if i == c}
+        if clash:  # a placeholder equal to pad would be masked as padding; equal to eos, it would end every prompt
+            raise SentinelError(f"model {model_spec.name!r}: sentinel(s) {clash} are the tokenizer's own control "
+                                f"tokens (ids {control}) in {model_spec.source.describe()}; this tokenizer redefined "
+                                f"them, so pick other sentinels or restore its pad/eos tokens")
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return cls(host, model_spec, encoder_spec, projector, tokenizer, sentinel_ids, dtype, dev)
 
