@@ -89,9 +89,10 @@ def build_config(name: str, tokenizer_dir: Path, layers: int | None, width: int 
 
 
 def write_published_snapshot(name: str, out_dir: Path, layers: int | None = None, width: int | None = None,
-                             dtype: Any = None, **weight_options: Any) -> None:
+                             dtype: Any = None, vocab_size: int | None = None, **weight_options: Any) -> None:
     """config.json, tokenizer and seeded random weights of ``name`` under the published key names
-    (``model.language_model.*``, ``model.visual.*``, ``lm_head`` unless tied, routed experts one tensor each)."""
+    (``model.language_model.*``, ``model.visual.*``, ``lm_head`` unless tied, routed experts one tensor each);
+    ``vocab_size`` overrides the embedding rows (narrow snapshots otherwise get their tokenizer's size)."""
     import torch
     import transformers
 
@@ -99,6 +100,8 @@ def write_published_snapshot(name: str, out_dir: Path, layers: int | None = None
     out_dir = Path(out_dir)
     train_tokenizer(out_dir, SPECIAL_TOKENS, eos_token=IM_END, pad_token=PAD, chat_template=chatml_template())
     config = build_config(name, out_dir, layers, width)
+    if vocab_size is not None:  # e.g. a narrow test model that keeps the published 248,320-row embedding
+        config.text_config.vocab_size = vocab_size
     config.dtype = dtype
     with torch.device("meta"):
         model = getattr(transformers, config.architectures[0])(config).to(dtype)

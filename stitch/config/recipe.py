@@ -35,7 +35,16 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 
 from stitch.config.describe import CHOICE_ERROR, field_error, format_validation_error, short_repr
-from stitch.config.options import STAGE_OPTIONS, Int, PositiveInt, PositiveNumber, StageOptions, Strict, Text
+from stitch.config.options import (
+    STAGE_OPTIONS,
+    Flag,
+    Int,
+    PositiveInt,
+    PositiveNumber,
+    StageOptions,
+    Strict,
+    Text,
+)
 
 FeatureDtype = Literal["float16", "bfloat16", "float32"]
 SourceFormat = Literal["parquet", "json", "imagefolder"]
@@ -369,6 +378,9 @@ class ParallelConfig:
     expert_parallel: PositiveInt = Field(1, description="expert-parallel size (> 1 not implemented: refused)")
     gpus: GpuRoles | None = Field(None, description="GPUs per GRPO role; null: roles not placed")
     rollout_replicas: PositiveInt = Field(1, description="GRPO rollout engine replicas")
+    meta_init: Flag = Field(True, description="FSDP2 runs: rank 0 loads the base model, the other ranks build it "
+                                              "with parameters on the meta device and receive only their shards; "
+                                              "false: every rank loads the whole model first")
 
     @property
     def policy_gpus(self) -> int:

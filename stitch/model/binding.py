@@ -139,6 +139,8 @@ class ModelBinding:
         if projector_from is not None:  # after StitchedModel gave a half-precision projector its fp32 master weights,
             # so a saved fp32 master loads exactly instead of rounded to the LM's dtype
             self.load_projector(model.projector, projector_from, hidden)
+        if any(p.is_meta for p in model.parameters()):  # an empty model (a rank that receives its shards later)
+            return model
         return model.to(self.device)
 
     # -- provenance --------------------------------------------------------------------------------

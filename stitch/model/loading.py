@@ -7,6 +7,7 @@ applies it to snapshots in the adapter's source layout, and it records whether t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import weakref
@@ -229,8 +230,45 @@ def load_model(
     for line in kernel_report(spec):
         # said once at start-up: a hybrid model without its kernels is several times slower on a GPU
         (log.warning if torch.cuda.is_available() else log.info)(line)
+    _fit_for_packing(spec, model)
+    return model
+
+
+def _fit_for_packing(spec: ModelSpec, model: Any) -> None:
     if spec.install_sample_starts is not None and spec.install_sample_starts(model):
         _WITH_SAMPLE_STARTS.add(model)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside keep their parameters on the meta device (no memory); buffers stay real, because
+    non-persistent ones (rotary frequency tables) are computed at construction and no checkpoint restores them."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: Any) -> None:
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def empty_model(spec: ModelSpec, cls: type, config: Any, dtype: torch.dtype) -> Any:
+    """``cls`` built from ``config`` (what another rank loaded) with its parameters on the meta device, fitted for
+    packed training like a loaded one; its weights arrive later (``DataParallel.build_sharded``)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    # the attention rank 0's model runs was chosen after its load (StitchedModel registers stitch's varlen path
+    # then): start from the default here, and StitchedModel makes the same choice again
+    config._attn_implementation_internal = None
+    with parameters_on_meta():
+        model = cls._from_config(config, dtype=dtype)
+    _fit_for_packing(spec, model.eval())
     return model
 
 
