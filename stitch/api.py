@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stitch.config.recipe import shipped_recipes
+from stitch.model.snapshots import shrink_layer_pattern, write_random_weights
 from stitch.model.varlen import (
     fla_conv,
     fla_kernels_importable,
@@ -61,6 +62,9 @@ __all__ = [
     "padded_vocab_size",
     "train_tokenizer",
     "pretrain_in_place",
+    # full-size random-init snapshots in a published checkpoint layout (`stitch snapshot`)
+    "shrink_layer_pattern",
+    "write_random_weights",
     # packed training of hybrid layers: sample starts on one flattened row
     "fla_conv",
     "fla_kernels_importable",

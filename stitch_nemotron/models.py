@@ -9,6 +9,7 @@ import torch
 
 from stitch.api import ModelSource, ModelSpec, varlen_kernels_ready
 from stitch_nemotron.kernels import use_varlen
+from stitch_nemotron.published import snapshot_writer
 from stitch_nemotron.sentinels import SENTINELS
 from stitch_nemotron.tiny import TINY_HIDDEN, build_lightning_tiny, build_nano_tiny
 
@@ -55,12 +56,19 @@ PACKING_NOTE = (
 
 
 def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
-    """stitch's NemotronHForCausalLM (``generate(inputs_embeds=...)`` works) from safetensors via from_pretrained."""
+    """stitch's NemotronHForCausalLM (``generate(inputs_embeds=...)`` works) from safetensors via from_pretrained;
+    a checkpoint key that does not land (published ``backbone.*`` names are renamed by transformers) is refused."""
     from stitch_nemotron.generation import NemotronHForCausalLM
 
-    return NemotronHForCausalLM.from_pretrained(
-        **source.pretrained_kwargs(), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+    model, info = NemotronHForCausalLM.from_pretrained(
+        **source.pretrained_kwargs(), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
+        output_loading_info=True,
     )
+    problems = {k: sorted(v) for k, v in info.items() if v}
+    if problems:  # a missing key would train on random init, an unexpected one is a weight silently dropped
+        raise ValueError(f"loading NemotronHForCausalLM for model {spec.name!r} from {source.describe()} left "
+                         f"problems: {problems}")
+    return model
 
 
 def install_sample_starts(model: Any) -> bool:
@@ -77,7 +85,8 @@ def install_sample_starts(model: Any) -> bool:
     return True
 
 
-def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, description: str) -> ModelSpec:
+def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, description: str,
+                  published: bool = False) -> ModelSpec:
     return ModelSpec(
         name=name,
         architecture="NemotronHForCausalLM",
@@ -92,6 +101,7 @@ def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, d
         install_sample_starts=install_sample_starts,
         kernels={"fla": "flash-linear-attention"},
         packing_note=PACKING_NOTE,
+        snapshot=snapshot_writer(name) if published else None,
         description=description,
     )
 
@@ -103,11 +113,12 @@ MODELS: tuple[ModelSpec, ...] = (
             repo_id="nvidia/NVIDIA-Nemotron-3-Nano-4B-BF16",
             revision="dfaf35de3e30f1867dd8dbc38a7fc9fb52d3914f",
         ),
-        # 3136 per public architecture listings (42 blocks: 21 Mamba-2, 4 attention, 17 MLP); not read from the
-        # pinned config.json here. load_nemotron_h refuses a checkpoint whose width differs.
+        # published: 42 blocks (21 Mamba-2, 4 attention, 17 MLP), sources in docs/models.md; load_model still
+        # refuses a checkpoint whose width differs
         3136,
         moe=False,
         description="Nemotron-3-Nano-4B: hybrid Mamba-2 / attention / MLP, text only.",
+        published=True,
     ),
     nemotron_spec(
         "nemotron-3.5-lightning-30b-a3b",
@@ -115,11 +126,12 @@ MODELS: tuple[ModelSpec, ...] = (
             repo_id="nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16",
             revision="b3caaabed0263651a17dc1f2d4ce97e794f76c44",
         ),
-        # Unverified: assumed equal to Nemotron-3-Nano-30B-A3B's 2688 (same 30B-A3B hybrid-MoE family).
-        # load_nemotron_h refuses the checkpoint if its config says otherwise.
+        # 2688 in two public ports of the checkpoint (no config.json found), docs/models.md; load_model refuses
+        # the checkpoint if its config says otherwise
         2688,
         moe=True,
         description="Nemotron-3.5-Lightning-30B-A3B: hybrid Mamba-2 / attention / MoE (routed + shared expert).",
+        published=True,
     ),
     nemotron_spec(
         "nemotron-nano-tiny",

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from stitch.api import SentinelSpec
 
-# The Nemotron-H tokenizer (131,072 entries, Tekken-derived) reserves its first 1,000 ids as <SPECIAL_N> control
-# tokens, each a single token. Releases have renamed low slots for chat, think and tool markers (e.g.
-# <SPECIAL_10>-<SPECIAL_12> framed Nano v2 chat turns), so stitch takes three from the middle of the block.
-# Chosen from knowledge of the vocabulary, not read from the pinned revisions (no hub access here):
-# resolve_sentinels refuses them loudly, naming the token, if a real tokenizer splits one.
+# The Nemotron-family tokenizer (131,072 entries) keeps <SPECIAL_N> control slots; ids 10-13 carry the ChatML and
+# think markers, and <SPECIAL_22>..<SPECIAL_999> are reserved and absent from the chat template (a public probe of a
+# family tokenizer, docs/models.md). stitch takes three from the middle of that block. Not read from the pinned
+# revisions (no hub access): resolve_sentinels refuses them loudly, naming the token, if a real tokenizer splits one.
 SENTINELS = SentinelSpec(
     name="nemotron-h",
     start="<SPECIAL_100>",

@@ -8,6 +8,7 @@ from typing import Any
 
 from stitch.api import ModelSource, ModelSpec, varlen_kernels_ready
 from stitch_qwen.kernels import install_fused_kernels, use_fused_kernels, use_varlen
+from stitch_qwen.published import snapshot_writer
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.tiny import TINY_HIDDEN, build_qwen35_demo, build_qwen35_moe_tiny, build_qwen35_tiny
 from stitch_qwen.vlm_layout import VLM_TO_TEXT
@@ -77,7 +78,8 @@ def install_sample_starts(model: Any) -> bool:
     return True
 
 
-def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, description: str) -> ModelSpec:
+def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, description: str,
+                    published: bool = False) -> ModelSpec:
     return ModelSpec(
         name=name,
         architecture="Qwen3_5ForCausalLM",
@@ -92,11 +94,13 @@ def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, descriptio
         install_sample_starts=install_sample_starts,
         packing_note=PACKING_NOTE,
         kernels=GDN_KERNELS,
+        snapshot=snapshot_writer(name) if published else None,
         description=f"{description} {HOW_TO_LOAD_VLM}",
     )
 
 
-def qwen_moe_spec(name: str, source: ModelSource, hidden_size: int, description: str) -> ModelSpec:
+def qwen_moe_spec(name: str, source: ModelSource, hidden_size: int, description: str,
+                  published: bool = False) -> ModelSpec:
     return ModelSpec(
         name=name,
         architecture="Qwen3_5MoeForCausalLM",
@@ -111,6 +115,7 @@ def qwen_moe_spec(name: str, source: ModelSource, hidden_size: int, description:
         install_sample_starts=install_sample_starts,
         packing_note=PACKING_NOTE,
         kernels=GDN_KERNELS,
+        snapshot=snapshot_writer(name) if published else None,
         description=f"{description} {HOW_TO_LOAD_VLM}",
     )
 
@@ -151,16 +156,18 @@ MODELS: tuple[ModelSpec, ...] = (
     qwen_dense_spec(
         "qwen3.5-4b",
         ModelSource(repo_id="Qwen/Qwen3.5-4B", revision="851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a"),
-        2560,
+        2560,  # published (docs/models.md)
         "Qwen3.5-4B, dense hybrid (Gated DeltaNet + full attention); shipped as a native VLM whose own vision "
         "tower stays frozen and unused; images arrive as 'clip_image' soft tokens.",
+        published=True,
     ),
     qwen_moe_spec(
         "qwen3.6-35b-a3b",
         ModelSource(repo_id="Qwen/Qwen3.6-35B-A3B", revision="995ad96eacd98c81ed38be0c5b274b04031597b0"),
-        2048,
+        2048,  # published (docs/models.md)
         "Qwen3.6-35B-A3B, hybrid MoE (routed experts + one shared expert per layer); native VLM checkpoint, "
         "vision tower frozen and unused; images arrive as 'clip_image' soft tokens.",
+        published=True,
     ),
     qwen_dense_spec(
         "qwen3.5-tiny",

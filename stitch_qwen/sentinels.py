@@ -9,7 +9,8 @@ SENTINELS = SentinelSpec(
     start="<|vision_start|>",
     placeholder="<|vision_pad|>",
     end="<|vision_end|>",
-    description="Qwen's own vision boundary tokens, single tokens in the real tokenizer. Qwen's native image and "
+    description="Qwen's own vision boundary tokens (<|vision_start|> 248053, <|vision_end|> 248054 in the published "
+    "config; <|vision_pad|> is a family token the config does not name, docs/models.md). Qwen's native image and "
     "video processors use the distinct <|image_pad|>/<|video_pad|> payload tokens, so stitch's soft tokens "
     "(external route 'clip_image') never pass for a native Qwen image.",
 )

@@ -7,6 +7,7 @@ import stitch.cli.recipe  # noqa: F401
 import stitch.cli.registry  # noqa: F401
 import stitch.cli.scaffold  # noqa: F401
 import stitch.cli.serve  # noqa: F401
+import stitch.cli.snapshot  # noqa: F401
 import stitch.cli.stages  # noqa: F401
 from stitch.cli.app import app, err_console
 
@@ -21,7 +22,7 @@ def main() -> None:
 
     try:
         app()
-    except (ValueError, FileNotFoundError, PluginError, RegistryLookupError, RunLockedError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, PluginError, RegistryLookupError, RunLockedError) as exc:
         if os.environ.get("STITCH_DEBUG"):
             raise
         from rich.markup import escape

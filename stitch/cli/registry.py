@@ -98,7 +98,8 @@ def models(as_json: bool = _JSON) -> None:
             "source": lambda s: s.source.describe(),
         },
         as_json,
-        json_only={"packing_note": lambda s: s.packing_note},
+        json_only={"packing_note": lambda s: s.packing_note,
+                   "snapshot": lambda s: s.snapshot is not None},  # `stitch snapshot` can write its layout
     )
 
 

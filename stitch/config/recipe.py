@@ -35,7 +35,16 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 
 from stitch.config.describe import CHOICE_ERROR, field_error, format_validation_error, short_repr
-from stitch.config.options import STAGE_OPTIONS, Int, PositiveInt, PositiveNumber, StageOptions, Strict, Text
+from stitch.config.options import (
+    STAGE_OPTIONS,
+    Flag,
+    Int,
+    PositiveInt,
+    PositiveNumber,
+    StageOptions,
+    Strict,
+    Text,
+)
 
 FeatureDtype = Literal["float16", "bfloat16", "float32"]
 SourceFormat = Literal["parquet", "json", "imagefolder"]
@@ -50,6 +59,37 @@ _DATACLASS_CONFIG = ConfigDict(extra="forbid")
 
 class RecipeError(ValueError):
     """A recipe is malformed; the message names the file, the field, what was expected and what was found."""
+
+
+# -- the base model ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, config=_DATACLASS_CONFIG)
+class ModelConfig:
+    """A registered model read from a local snapshot directory instead of its pinned hub source (offline use, or
+    a snapshot written by `stitch snapshot`)."""
+
+    name: Annotated[Text, Field(min_length=1)] = Field(description="a registered model (see `stitch models`)")
+    snapshot: Path | None = Field(
+        None, description="a local HF-format snapshot directory (config.json + safetensors) read instead of the "
+                          "model's hub source; relative paths resolve against the recipe file's folder. Refused at "
+                          "load when it lacks config.json or safetensors, or its hidden size is not the model's")
+
+    @field_validator("snapshot", mode="after")
+    @classmethod
+    def _absolute(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and not value.is_absolute():
+            base = (info.context or {}).get("base_dir") or Path.cwd()
+            value = Path(base) / value
+        return None if value is None else value.resolve()
+
+
+def _model_config(value: Any) -> Any:
+    """A bare model name is the short form of ``{name: ...}``."""
+    return {"name": value} if isinstance(value, str) else value
+
+
+ModelField = Annotated[ModelConfig, BeforeValidator(_model_config, json_schema_input_type=str | ModelConfig)]
 
 
 # -- data sources -------------------------------------------------------------------------------------------
@@ -359,6 +399,9 @@ class ParallelConfig:
     expert_parallel: PositiveInt = Field(1, description="expert-parallel size (> 1 not implemented: refused)")
     gpus: GpuRoles | None = Field(None, description="GPUs per GRPO role; null: roles not placed")
     rollout_replicas: PositiveInt = Field(1, description="GRPO rollout engine replicas")
+    meta_init: Flag = Field(True, description="FSDP2 runs: rank 0 loads the base model, the other ranks build it "
+                                              "with parameters on the meta device and receive only their shards; "
+                                              "false: every rank loads the whole model first")
 
     @property
     def policy_gpus(self) -> int:
@@ -389,7 +432,8 @@ class RecipeFile(Strict):
     """The schema of a recipe YAML file."""
 
     name: Annotated[Text, Field(min_length=1)] = Field(description="recipe name (default run directory runs/<name>)")
-    model: Annotated[Text, Field(min_length=1)] = Field(description="a registered model (see `stitch models`)")
+    model: ModelField = Field(description="a registered model name (see `stitch models`), or {name, snapshot} to "
+                                          "read it from a local snapshot directory")
     encoder: Annotated[Text, Field(min_length=1)] = Field(description="a registered encoder (see `stitch encoders`)")
     projector: Text = Field("mlp2x_gelu", description="a registered projector (see `stitch registry projectors`)")
     task: TaskField = Field(
@@ -446,6 +490,7 @@ class Recipe:
     path: Path | None = None
     parallel: ParallelConfig | None = None
     task: TaskConfig = plain_field(default_factory=lambda: TaskConfig(name=DEFAULT_TASK))
+    model_snapshot: Path | None = None  # read the model from this local snapshot instead of its hub source
 
     def stage_options(self, name: str) -> StageOptions:
         """The typed options of a stage this recipe declares; RecipeError naming the stage otherwise."""
@@ -462,7 +507,8 @@ class Recipe:
         """Every field of the recipe after overrides and defaults, as plain YAML-able data."""
         return {
             "name": self.name,
-            "model": self.model,
+            "model": self.model if self.model_snapshot is None else {"name": self.model,
+                                                                      "snapshot": str(self.model_snapshot)},
             "encoder": self.encoder,
             "projector": self.projector,
             "task": self.task.name if self.task.reward is None else _adapter(TaskConfig).dump_python(
@@ -520,7 +566,8 @@ def parse_recipe(mapping: Any, *, path: Path | None = None, overrides: Iterable[
         raise RecipeError(format_validation_error(exc, RecipeFile, where, overrides)) from None
     return Recipe(
         name=checked.name,
-        model=checked.model,
+        model=checked.model.name,
+        model_snapshot=checked.model.snapshot,
         encoder=checked.encoder,
         projector=checked.projector,
         data=checked.data,

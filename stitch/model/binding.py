@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from stitch.config.options import LoraOptions
-from stitch.data.sentinels import SentinelIds, resolve_sentinels
-from stitch.model.loading import load_model, load_tokenizer
+from stitch.data.sentinels import SentinelError, SentinelIds, resolve_sentinels
+from stitch.model.loading import load_model, load_tokenizer, with_local_snapshot
 from stitch.plugins.specs import EncoderSpec, ModelSpec
 
 
@@ -30,13 +30,28 @@ class ModelBinding:
 
     @classmethod
     def resolve(cls, host: Any, model: str, encoder: str, projector: str, dtype: torch.dtype = torch.float32,
-                device: str | torch.device | None = None) -> ModelBinding:
-        """Look up the registrations by name and load the tokenizer (no model weights load here)."""
+                device: str | torch.device | None = None, snapshot: Path | None = None) -> ModelBinding:
+        """Look up the registrations by name and load the tokenizer (no model weights load here); ``snapshot``: a
+        local snapshot directory the model is read from instead of its source (checked here, before any load)."""
         model_spec = host.get("models", model)
+        if snapshot is not None:
+            model_spec = with_local_snapshot(model_spec, snapshot)
+        return cls.for_spec(host, model_spec, encoder, projector, dtype, device)
+
+    @classmethod
+    def for_spec(cls, host: Any, model_spec: ModelSpec, encoder: str, projector: str,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None) -> ModelBinding:
+        """``resolve`` for a model spec already in hand (e.g. one pointed at a local snapshot)."""
         encoder_spec = host.get("encoders", encoder)
         host.get("projectors", projector)
         tokenizer = load_tokenizer(model_spec)
         sentinel_ids = resolve_sentinels(host.get("token_sentinels", model_spec.sentinels), tokenizer)
+        control = {"pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id}
+        clash = {role: name for role, i in sentinel_ids.as_dict().items() for name, c in control.items() if i == c}
+        if clash:  # a placeholder equal to pad would be masked as padding; equal to eos, it would end every prompt
+            raise SentinelError(f"model {model_spec.name!r}: sentinel(s) {clash} are the tokenizer's own control "
+                                f"tokens (ids {control}) in {model_spec.source.describe()}; this tokenizer redefined "
+                                f"them, so pick other sentinels or restore its pad/eos tokens")
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return cls(host, model_spec, encoder_spec, projector, tokenizer, sentinel_ids, dtype, dev)
 
@@ -47,7 +62,8 @@ class ModelBinding:
             from stitch.plugins.host import get_host
 
             host = get_host()
-        return cls.resolve(host, recipe.model, recipe.encoder, recipe.projector, dtype, device)
+        return cls.resolve(host, recipe.model, recipe.encoder, recipe.projector, dtype, device,
+                           snapshot=getattr(recipe, "model_snapshot", None))
 
     # -- text --------------------------------------------------------------------------------------
     @property
@@ -101,8 +117,6 @@ class ModelBinding:
         lm = self.load_lm() if lm is None else lm
         hidden = hidden_size(lm)
         projector = self.build_projector(hidden)
-        if projector_from is not None:
-            self.load_projector(projector, projector_from, hidden)
         projector.requires_grad_(train_projector)
         if adapter_from is not None:
             from peft import PeftModel
@@ -121,7 +135,13 @@ class ModelBinding:
                 bias="none",
             )
             lm = get_peft_model(lm, config)
-        return StitchedModel(lm, projector, self.sentinel_ids.placeholder).to(self.device)
+        model = StitchedModel(lm, projector, self.sentinel_ids.placeholder)
+        if projector_from is not None:  # after StitchedModel gave a half-precision projector its fp32 master weights,
+            # so a saved fp32 master loads exactly instead of rounded to the LM's dtype
+            self.load_projector(model.projector, projector_from, hidden)
+        if any(p.is_meta for p in model.parameters()):  # an empty model (a rank that receives its shards later)
+            return model
+        return model.to(self.device)
 
     # -- provenance --------------------------------------------------------------------------------
     def provenance(self, hidden: int, stage: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ applies it to snapshots in the adapter's source layout, and it records whether t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import weakref
@@ -72,12 +73,48 @@ def local_snapshot(source: ModelSource) -> Path:
                                   allow_patterns=["*.json", "*.safetensors"]))
 
 
+class SnapshotError(ValueError):
+    """A local snapshot directory that cannot stand in for a model's published checkpoint."""
+
+
+def with_local_snapshot(spec: ModelSpec, directory: Path | str) -> ModelSpec:
+    """``spec`` reading its tokenizer and weights from the local snapshot ``directory`` instead of its source.
+
+    Refused here, before any weight is read, when the directory is missing, lacks config.json or safetensors
+    weights, or its text model's hidden size is not ``spec.hidden_size`` (projectors are built to that width).
+    """
+    import dataclasses
+
+    directory = Path(directory)
+    where = f"model {spec.name!r}: local snapshot {str(directory)!r}"
+    if not directory.is_dir():
+        raise SnapshotError(f"{where} is not a directory; write one with `stitch snapshot {spec.name} --out DIR` "
+                            f"or point model.snapshot at a downloaded HF snapshot")
+    found = sorted(p.name for p in directory.iterdir())
+    if "config.json" not in found:
+        raise SnapshotError(f"{where} has no config.json (found: {found[:12]}); an HF-format snapshot needs its "
+                            f"config.json next to the weights (a snapshot still being written has none yet)")
+    if "model.safetensors" not in found and "model.safetensors.index.json" not in found:
+        raise SnapshotError(f"{where} has no model.safetensors or model.safetensors.index.json (found: "
+                            f"{found[:12]}); stitch loads weights from safetensors only")
+    from transformers import AutoConfig
+
+    actual = AutoConfig.from_pretrained(directory, trust_remote_code=False).get_text_config().hidden_size
+    if actual != spec.hidden_size:
+        raise SnapshotError(f"{where} has hidden_size={actual} (config.json), but model {spec.name!r} declares "
+                            f"hidden_size={spec.hidden_size}; this snapshot is not that model (projectors are "
+                            f"built to the declared width)")
+    return dataclasses.replace(spec, source=spec.source.with_local_path(str(directory.resolve())))
+
+
 class SafetensorsStateDict(Mapping[str, Any]):
     """A read-on-access view of a snapshot's safetensors shards (``model.safetensors`` or an index): an adapter's
-    ``convert`` reads only the tensors it keeps."""
+    ``convert`` reads only the tensors it keeps. ``lazy``: values are safetensors slices that ``from_pretrained``
+    reads one at a time, as it does for its own checkpoints, so a 35B snapshot never sits in host memory whole."""
 
-    def __init__(self, snapshot: Path) -> None:
+    def __init__(self, snapshot: Path, lazy: bool = False) -> None:
         snapshot = Path(snapshot)
+        self.lazy = lazy
         index = snapshot / "model.safetensors.index.json"
         if index.exists():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -102,7 +139,8 @@ class SafetensorsStateDict(Mapping[str, Any]):
         path = self._files[key]
         if path not in self._handles:
             self._handles[path] = safe_open(path, framework="pt")
-        return self._handles[path].get_tensor(key)
+        handle = self._handles[path]
+        return handle.get_slice(key) if self.lazy else handle.get_tensor(key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
@@ -127,16 +165,17 @@ def state_dict_adapter(spec: ModelSpec, host: Any = None) -> StateDictAdapterSpe
 
 
 def _load_through_adapter(spec: ModelSpec, adapter: StateDictAdapterSpec, snapshot: Path, source: ModelSource,
-                          dtype: torch.dtype, trust_remote_code: bool) -> Any:
+                          dtype: torch.dtype, trust_remote_code: bool, device: str | None) -> Any:
     import transformers
 
     cls = getattr(transformers, spec.architecture)
     config = transformers.AutoConfig.from_pretrained(snapshot, trust_remote_code=trust_remote_code)
-    state_dict = adapter.convert(SafetensorsStateDict(snapshot))
+    state_dict = adapter.convert(SafetensorsStateDict(snapshot, lazy=True))
     if adapter.convert_config is not None:
         config = adapter.convert_config(config, state_dict)
+    placement = {"device_map": device} if device is not None else {}
     model, info = cls.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype,
-                                      output_loading_info=True, trust_remote_code=trust_remote_code)
+                                      output_loading_info=True, trust_remote_code=trust_remote_code, **placement)
     problems = {k: sorted(v) for k, v in info.items() if v}
     if problems:  # a missing or unexpected key would load as random init or be dropped silently: refuse
         raise ValueError(f"loading {spec.architecture} for model {spec.name!r} from {source.describe()} through "
@@ -150,8 +189,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
     host: Any = None,
+    device: str | None = None,
 ) -> Any:
     """The base LM of ``spec``; weights come from safetensors only, remote code only when asked for.
+
+    ``device`` (e.g. ``"cuda"``): weights load from the shards straight onto it (``device_map``), so the host never
+    holds the model; a binding's own ``load`` loads on the host as before.
 
     A snapshot in the source layout of the binding's state-dict adapter (resolved by name through ``host``, the
     process-wide plugin host by default) is read through that adapter; then the binding's
@@ -168,12 +211,14 @@ def load_model(
     elif adapter is not None and (adapter.applies_to is None or adapter.applies_to(snapshot)):
         log.info("%s: %s is in the %s layout; loading through the state-dict adapter %r", spec.name,
                  source.describe(), adapter.source_layout, adapter.name)
-        model = _load_through_adapter(spec, adapter, snapshot, source, dtype, trust_remote_code)
+        model = _load_through_adapter(spec, adapter, snapshot, source, dtype, trust_remote_code, device)
     else:
         import transformers
 
         cls = getattr(transformers, spec.architecture)
         kwargs = {"pretrained_model_name_or_path": str(snapshot)} if snapshot else source.pretrained_kwargs()
+        if device is not None:
+            kwargs["device_map"] = device
         model = cls.from_pretrained(**kwargs, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
     # every projector for this model is built to the declared width: refuse a checkpoint that differs
     actual = model.config.get_text_config().hidden_size
@@ -185,8 +230,45 @@ def load_model(
     for line in kernel_report(spec):
         # said once at start-up: a hybrid model without its kernels is several times slower on a GPU
         (log.warning if torch.cuda.is_available() else log.info)(line)
+    _fit_for_packing(spec, model)
+    return model
+
+
+def _fit_for_packing(spec: ModelSpec, model: Any) -> None:
     if spec.install_sample_starts is not None and spec.install_sample_starts(model):
         _WITH_SAMPLE_STARTS.add(model)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside keep their parameters on the meta device (no memory); buffers stay real, because
+    non-persistent ones (rotary frequency tables) are computed at construction and no checkpoint restores them."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: Any) -> None:
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def empty_model(spec: ModelSpec, cls: type, config: Any, dtype: torch.dtype) -> Any:
+    """``cls`` built from ``config`` (what another rank loaded) with its parameters on the meta device, fitted for
+    packed training like a loaded one; its weights arrive later (``DataParallel.build_sharded``)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    # the attention rank 0's model runs was chosen after its load (StitchedModel registers stitch's varlen path
+    # then): start from the default here, and StitchedModel makes the same choice again
+    config._attn_implementation_internal = None
+    with parameters_on_meta():
+        model = cls._from_config(config, dtype=dtype)
+    _fit_for_packing(spec, model.eval())
     return model
 
 

@@ -127,6 +127,9 @@ class ModelSpec:
     install_sample_starts: Callable[[Any], bool] | None = None
     # optional fused kernels: import name -> pip package; without them transformers runs PyTorch reference code
     kernels: Mapping[str, str] = field(default_factory=dict)
+    # writes a random-init snapshot in the published checkpoint layout (`stitch snapshot`):
+    # snapshot(out_dir, layers=None, width=None, dtype=None, progress=None, max_shard_bytes=...) -> None
+    snapshot: Callable[..., None] | None = None
     description: str = ""
 
     def packs(self) -> bool:

@@ -95,6 +95,41 @@ class DataParallel:
         register_fsdp_forward_method(model, "loss")
         return model
 
+    def build_sharded(self, binding: Any, args: dict[str, Any], resume_from: Any = None,
+                      meta_init: bool = True) -> nn.Module:
+        """The FSDP2-sharded model. ``meta_init``: rank 0 alone loads the base (and restores ``resume_from``); the
+        other ranks build rank 0's class from its config with parameters on the meta device, then every rank
+        shards and receives only its shards from rank 0, so no rank but 0 ever holds the whole model. Otherwise
+        every rank loads the whole model and sharding splits it (the earlier path)."""
+        if not meta_init:
+            model = binding.build_model(**args)
+            if resume_from is not None:  # full tensors into the plain module; sharding then splits them
+                binding.load_trainable(model, resume_from)
+            return self.shard(model)
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from stitch.model.loading import empty_model, parameters_on_meta
+
+        blueprint: list[Any] = [None, None]
+        if self.is_main:
+            model = binding.build_model(**args)
+            if resume_from is not None:
+                binding.load_trainable(model, resume_from)
+            base = model.lm.get_base_model() if hasattr(model.lm, "get_base_model") else model.lm
+            blueprint = [type(base), base.config]
+        dist.broadcast_object_list(blueprint, src=0)
+        if not self.is_main:
+            lm = empty_model(binding.model_spec, blueprint[0], blueprint[1], binding.dtype)
+            lm.requires_grad_(False)  # the frozen base, as ModelBinding.load_lm leaves it
+            with parameters_on_meta():  # the LoRA layers and the projector too
+                model = binding.build_model(**args, lm=lm)
+        full = model.state_dict() if self.is_main else {}
+        model = self.shard(model)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+        return model
+
     def rows(self, packs: list[Any]) -> list[Any]:
         """This rank's share of the global batch."""
         return packs[self.rank :: self.world_size] if self.active else packs

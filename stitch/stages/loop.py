@@ -240,13 +240,13 @@ def setup(recipe: Any, name: str, out_dir: Path, cleanup: ExitStack, *, resume: 
     args = runner.model_args()
     if ctx.warm_start is not None:
         args.update({f"{part}_from": ctx.warm_start / part for part in entry.warm_parts})
-    model = session.binding.build_model(**args)
     ctx.allowed = tuple(g for g, on in (("projector", args.get("train_projector", True)),
                                         ("adapter", "lora" in args or "adapter_from" in args)) if on)
-    if dp.active:
-        if ctx.resume_from is not None:  # full tensors into the plain module; sharding then splits them
-            session.binding.load_trainable(model, ctx.resume_from)
-        model = dp.shard(model)
+    if dp.active:  # FSDP2: with parallel.meta_init only rank 0 holds the whole model (docs/scaling.md)
+        meta_init = recipe.parallel.meta_init if getattr(recipe, "parallel", None) is not None else True
+        model = dp.build_sharded(session.binding, args, ctx.resume_from, meta_init=meta_init)
+    else:
+        model = session.binding.build_model(**args)
     ctx.model = model
     audit_gradients(model, ctx.allowed)
     for group in ctx.allowed:  # one parameter group per component, each with its own learning rate

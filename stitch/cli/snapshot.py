@@ -1,0 +1,50 @@
+"""`stitch snapshot`: write a model's random-init snapshot in its published checkpoint layout, for offline use."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import typer
+
+from stitch.cli.app import app, console
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@app.command("snapshot")
+def snapshot(
+    model: str = typer.Argument(..., help="A registered model with a published layout (see `stitch models`)."),
+    out: Path = typer.Option(None, "--out", help="Directory to write (created; must not hold a snapshot yet)."),
+    layers: int = typer.Option(None, "--layers", help="Keep this many layers (every layer type kept), for tests."),
+    width: int = typer.Option(None, "--width", help="Narrow to this hidden size (heads, experts shrink too)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help=f"Weight dtype: {', '.join(DTYPES)}."),
+    shard_gib: float = typer.Option(5.0, "--shard-gib", help="Largest shard file, GiB."),
+    plan: bool = typer.Option(False, "--plan", help="Only print the shards and bytes it would write."),
+    spill_dir: Path = typer.Option(None, "--spill-dir", help="Where shards go once --disk-budget-gib is reached "
+                                                              "(e.g. /dev/shm); linked from --out."),
+    disk_budget_gib: float = typer.Option(None, "--disk-budget-gib", help="Shard bytes to write under --out."),
+) -> None:
+    """Write config.json, tokenizer and seeded random weights under the published key names, shard by shard (the
+    host never holds the whole model), so `model: {name: MODEL, snapshot: OUT}` in a recipe trains offline."""
+    import torch
+
+    from stitch.model.snapshots import write_model_snapshot
+    from stitch.plugins.host import get_host
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if out is None and not plan:
+        raise ValueError("--out DIR is required (or --plan to print the layout without writing)")
+    spec = get_host().get("models", model)
+    options = {"layers": layers, "width": width, "dtype": getattr(torch, dtype), "dry_run": plan,
+               "max_shard_bytes": int(shard_gib * 2**30), "progress": lambda line: console.print(line, highlight=False),
+               "spill_dir": spill_dir,
+               "disk_budget_bytes": None if disk_budget_gib is None else int(disk_budget_gib * 2**30)}
+    if plan:
+        with tempfile.TemporaryDirectory(prefix="stitch-snapshot-plan-") as tmp:  # the tokenizer sets the ids
+            write_model_snapshot(spec, Path(tmp), **options)
+        return
+    write_model_snapshot(spec, out, **options)
+    console.print(f"wrote {model} to {out}; train it offline with `model: {{name: {model}, snapshot: {out}}}`",
+                  highlight=False)
