@@ -1,6 +1,7 @@
 """The shipped multi-GPU recipes: their layout adds up at load (GPUs per GRPO role against the world size, prompts
 over replicas, batches over data-parallel ranks), their header's launch commands match it, and a variant the
-machine cannot run is refused naming the field, what was expected and what was found."""
+machine cannot run is refused naming the field, what was expected and what was found. And the refit payload a
+rollout replica receives over a gloo broadcast is, bitwise, the policy's merged weights."""
 
 from __future__ import annotations
 
@@ -105,3 +106,69 @@ def test_placed_roles_with_one_replica_may_stay_colocated(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", parallel=parallel))
     assert recipe.parallel.roles_given and recipe.stages["grpo"].placement == "colocated"
     validate_recipe(recipe)
+
+
+# -- the refit payload, end to end on gloo (no Ray: the worker is constructed directly) -------------------------
+
+
+def test_rollout_worker_holds_exactly_the_policys_merged_weights_after_each_broadcast_refit():
+    import datetime
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    from stitch.model.loading import load_model
+    from stitch.plugins.host import get_host
+    from stitch.rollout.ray_rollout import (
+        RolloutWorker,
+        broadcast_state_dict,
+        dominant_dtype,
+        manifest_of,
+        new_group,
+        validate_payload,
+    )
+    from stitch.rollout.vllm_engine import merged_state_dict
+
+    spec = get_host().get("models", "qwen3.5-tiny")  # random-init, built in seconds
+    policy = get_peft_model(load_model(spec), LoraConfig(r=4, lora_alpha=8, bias="none",
+                                                         target_modules=list(spec.lora_target_modules)))
+    worker = RolloutWorker(1, engine="embedded", model=spec.name, dtype="float32", pad_id=0, eos_id=None,
+                           suppress_ids=[], engine_config=None, vocab_size=None, env={}, seed=0)
+    base = {k: v.clone() for k, v in worker.lm.state_dict().items()}
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timeout, wait_for_workers=False)
+
+    def on_worker(fn, *args):  # the worker's half of a collective, beside the policy's half in this thread
+        thread = threading.Thread(target=fn, args=args)
+        thread.start()
+        return thread
+
+    joining = on_worker(worker.join, "127.0.0.1", store.port, 2, "gloo", 60.0)
+    group = new_group(store, 0, 2, "gloo", timeout)
+    joining.join(timeout=60)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for update in range(2):  # the first broadcast builds the worker's engine, the second refits it
+            with torch.no_grad():  # an update of the trained weights: the merge is no longer the base
+                for name, p in policy.named_parameters():
+                    if "lora_B" in name:
+                        p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            merged = merged_state_dict(policy)
+            payload = validate_payload(worker.expected, dominant_dtype(policy), merged)  # what refit() sends
+            manifest = manifest_of(payload)
+            receiving = on_worker(worker.receive, manifest, 64 << 10)  # small buckets: many broadcasts
+            broadcast_state_dict(group, payload, manifest, torch.device("cpu"), 64 << 10)
+            receiving.join(timeout=60)
+            held = worker.lm.state_dict()
+            assert held.keys() == merged.keys()
+            assert all(torch.equal(held[k], merged[k]) for k in merged), f"update {update}"
+            changed = [k for k in merged if not torch.equal(merged[k], base[k])]
+            assert changed and all(k.rsplit(".", 2)[-2] in spec.lora_target_modules for k in changed), changed
+            assert worker.engine is not None and worker.engine.name == "embedded"
+    finally:
+        worker.close()
+        group_close = getattr(group, "shutdown", None) or getattr(group, "abort", None)
+        if group_close is not None:
+            group_close()
