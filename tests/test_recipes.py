@@ -20,6 +20,10 @@ NOT_RUN = {
     "nemotron-3-nano-4b": "needs the pinned Nemotron Nano weights (hub) and a GPU; nemotron-nano-tiny stands in",
     "nemotron-3.5-lightning-30b-a3b": "needs the pinned Lightning weights (hub) and ~100 GiB; "
     "nemotron-lightning-tiny stands in",
+    "qwen3.5-4b-grpo-2gpu": "needs 2 GPUs and the pinned Qwen3.5-4B weights; its layout is checked in "
+    "tests/test_parallel_recipes.py and its Ray/refit path runs on CPU (gloo) in tests/test_ray_grpo.py",
+    "qwen3.5-4b-grpo-8gpu": "needs 8 GPUs and the pinned Qwen3.5-4B weights; its layout is checked in "
+    "tests/test_parallel_recipes.py",
 }
 SHIPPED = sorted(load_plugins().names("recipes"))
 

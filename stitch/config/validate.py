@@ -99,6 +99,7 @@ def check_parallel(recipe: Recipe, resolved: dict[str, StageOptions]) -> None:
             prompts, replicas = resolved["grpo"].prompts_per_step, par.rollout_replicas
             _fail(recipe, f"stages.grpo.prompts_per_step={prompts} prompts is not divisible by "
                           f"rollout_replicas={replicas} ({prompts} % {replicas} = {prompts % replicas})")
+        check_grpo_roles(recipe, par, resolved.get("grpo"))
     for stage, opts in resolved.items():
         check_batch_divisible(recipe, stage, opts, dp or 1, "data_parallel")
     if par.tensor_parallel > 1:
@@ -109,6 +110,23 @@ def check_parallel(recipe: Recipe, resolved: dict[str, StageOptions]) -> None:
         _fail(recipe, f"parallel.expert_parallel={par.expert_parallel}: expert parallelism is not implemented in "
                       f"stitch yet (FSDP2 shards every expert tensor across the data-parallel ranks instead; "
                       f"see docs/scaling.md); set expert_parallel: 1")
+
+
+def check_grpo_roles(recipe: Recipe, par: ParallelConfig, grpo: Any) -> None:
+    """What the Ray placement of GRPO's roles can do today: one policy process on one GPU, replicas of one GPU
+    each, and only when the stage places its rollouts on Ray at all."""
+    if par.policy_gpus != 1:
+        _fail(recipe, f"parallel.gpus.policy={par.policy_gpus}: expected 1 (the GRPO policy trains in the "
+                      f"`stitch train grpo` process on one GPU; sharding it over several GPUs is not implemented), "
+                      f"got {par.policy_gpus}")
+    if par.rollout_gpus != 1:
+        _fail(recipe, f"parallel.gpus.rollout={par.rollout_gpus}: expected 1 GPU per rollout replica (a replica "
+                      f"spanning several GPUs, a tensor-parallel engine, is not implemented), got "
+                      f"{par.rollout_gpus}; raise parallel.rollout_replicas instead")
+    if grpo is not None and par.rollout_replicas > 1 and grpo.placement != "ray":
+        _fail(recipe, f"parallel.rollout_replicas={par.rollout_replicas} needs Ray-placed rollouts: expected "
+                      f"stages.grpo.placement: ray, got {grpo.placement!r} (a colocated engine is one replica in "
+                      f"this process, the others would be ignored)")
 
 
 def check_launch(recipe: Recipe, stage: str, opts: Any, world_size: int) -> None:
