@@ -7,6 +7,7 @@ the file, the dotted field path, what was expected and what was found. The diges
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass as plain_dataclass
@@ -35,7 +36,16 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 
 from stitch.config.describe import CHOICE_ERROR, field_error, format_validation_error, short_repr
-from stitch.config.options import STAGE_OPTIONS, Int, PositiveInt, PositiveNumber, StageOptions, Strict, Text
+from stitch.config.options import (
+    STAGE_OPTIONS,
+    Flag,
+    Int,
+    PositiveInt,
+    PositiveNumber,
+    StageOptions,
+    Strict,
+    Text,
+)
 
 FeatureDtype = Literal["float16", "bfloat16", "float32"]
 SourceFormat = Literal["parquet", "json", "imagefolder"]
@@ -88,7 +98,9 @@ class LocalSource:
         if not value.is_absolute():
             base = (info.context or {}).get("base_dir") or Path.cwd()
             value = Path(base) / value
-        return value.resolve()
+        # absolute, but symlinks kept: media paths resolve against the directory the user named (a hub snapshot's
+        # files are symlinks into its blobs/, and its relative paths mean the snapshot's layout)
+        return Path(os.path.abspath(value))
 
     def describe(self) -> str:
         return f"{self.format}:{self.path}"
@@ -249,6 +261,8 @@ class DataConfig:
     feature_dtype: FeatureDtype = Field("float32", description="feature cache dtype")
     encode_batch_size: PositiveInt = Field(32, description="items per encoder call")
     shard_rows: PositiveInt = Field(256, description="rows per feature-cache shard")
+    allow_paths_outside: Flag = Field(False, description="media paths of a local source may leave its directory "
+                                                         "(absolute, ../ or a symlink); false: such rows are refused")
 
     @field_serializer("partitions")
     def _partitions_as_mapping(self, parts: tuple[Partition, ...]) -> dict[str, list[int]]:
