@@ -38,12 +38,22 @@ def random_from_json(rng: random.Random, state: list[Any]) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random_to_json(random)}
+    """The CPU torch and python generators, and with CUDA the generator of every visible device (dropout and
+    sampling on a GPU draw from those, not from the CPU one)."""
+    state = {"torch": torch.get_rng_state(), "python": random_to_json(random)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` saved. CUDA generators are restored for the devices both runs see; a CPU-only
+    process resuming a CUDA run has no CUDA generator to restore."""
     torch.set_rng_state(state["torch"])
     random_from_json(random, state["python"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
 
 
 def latest_step_dir(root: Path) -> Path | None:
