@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from stitch_testing import cli, kill_after_checkpoint, write_recipe
+from stitch_testing import cli, copy_prepared, kill_after_checkpoint, write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.stages.loop import run_stage
@@ -140,3 +140,25 @@ def test_checkpoint_saves_and_restores_the_rng_of_every_cuda_device(tmp_path, mo
     load_step_state(step_dir, None)
     assert all(torch.equal(a, b) for a, b in zip(devices, saved, strict=True))
     assert len(torch.load(step_dir / "rng.pt", weights_only=True)["cuda"]) == 2
+
+
+def test_a_resume_under_another_thread_count_continues_bitwise_with_the_checkpoints_count(prepared, tmp_path):
+    # CPU reductions split by thread count: a resumed process with another count drifted ~1e-7 from step 5 on,
+    # until checkpoints recorded the count and resume adopted it
+    other = "1" if torch.get_num_threads() > 1 else "2"
+    recipe = write_recipe(tmp_path / "r.yaml", stages__sft__steps=6, stages__sft__save_every=3)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for run in (straight, resumed):
+        copy_prepared(prepared / "run", run)
+        shutil.copytree(prepared / "run" / "alignment", run / "alignment")
+    train = ("train", "sft", "--recipe", str(recipe), "--out")
+    subprocess.run(cli(*train, str(straight)), check=True, capture_output=True)
+    subprocess.run(cli(*train, str(resumed), "--max-steps", "3"), check=True, capture_output=True)
+    state = json.loads((_step_dir(resumed, "sft", 3) / "trainer_state.json").read_text())
+    assert state["intra_op_threads"] == torch.get_num_threads() != int(other)
+    subprocess.run(cli(*train, str(resumed), "--resume"), check=True, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": other})
+    assert [r["loss"] for r in _records(resumed, "sft")] == [r["loss"] for r in _records(straight, "sft")]
+    for part in ("adapter/adapter_model.safetensors", "projector/mm-projector.safetensors"):
+        a, b = (load_file(str(_step_dir(run, "sft", 6) / part)) for run in (straight, resumed))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part

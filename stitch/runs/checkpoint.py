@@ -1,9 +1,10 @@
-"""Training checkpoints: ``checkpoints/step_N/`` (adapter, projector artifact, optimizer, RNG, data state),
-and ``checkpoints/LATEST`` naming the newest complete one, written atomically and last."""
+"""Training checkpoints: ``checkpoints/step_N/`` (adapter, projector artifact, optimizer, RNG, data state, the
+intra-op thread count), and ``checkpoints/LATEST`` naming the newest complete one, written atomically and last."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from stitch.data.feature_cache import file_sha256
+
+log = logging.getLogger("stitch")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -89,7 +92,8 @@ def save_step(
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        record = {"step": step, **state, "intra_op_threads": torch.get_num_threads()}
+        (tmp / "trainer_state.json").write_text(json.dumps(record, indent=1))
         write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -110,7 +114,20 @@ def load_step_state(step_dir: Path, optimizer: torch.optim.Optimizer | None) -> 
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(step_dir / "optimizer.pt", weights_only=True))
     set_rng_state(torch.load(step_dir / "rng.pt", weights_only=True))
-    return json.loads((step_dir / "trainer_state.json").read_text())
+    state = json.loads((step_dir / "trainer_state.json").read_text())
+    use_threads_of(state, step_dir)
+    return state
+
+
+def use_threads_of(state: dict[str, Any], step_dir: Path) -> None:
+    """Continue with the intra-op thread count the checkpoint was written with. CPU kernels split reductions by
+    thread count, so a process resuming with another count (another OMP_NUM_THREADS, another machine) drifts
+    from the uninterrupted run from the first update on (~1e-7 relative): exact resume needs the same count."""
+    threads = state.get("intra_op_threads")
+    if threads and threads != torch.get_num_threads():
+        log.info("resuming %s with %d intra-op threads, as it was written (this process had %d)", step_dir, threads,
+                 torch.get_num_threads())
+        torch.set_num_threads(threads)
 
 
 CHECKSUMS = "SHA256SUMS.json"
