@@ -325,6 +325,8 @@ def test_too_few_valid_rows_error_groups_skip_reasons_with_counts_and_first_ids_
     assert report["complete"] is False and report["error"] == message
     assert {s["id"]: s["kind"] for s in report["skipped"]} == EXPECTED_SKIPS
     assert all(s["reason"] for s in report["skipped"])
+    grouped = {kind: g["row_ids"] for kind, g in report["skipped_by_reason"].items()}
+    assert grouped == {kind: [i for i, k in EXPECTED_SKIPS.items() if k == kind] for kind in grouped}
 
 
 def test_a_hub_snapshot_in_the_hf_cache_prepares_through_its_symlinks_into_blobs(tmp_path, host_module, clip):

@@ -70,20 +70,21 @@ class InvalidRow(ValueError):
 
 
 def skipped_by_reason(skipped: Iterable[Mapping[str, Any]], first: int = 5) -> dict[str, dict[str, Any]]:
-    """Skipped rows grouped by ``kind``, most frequent first: ``{kind: {"count", "first_ids"}}``."""
+    """Skipped rows grouped by ``kind``, most frequent first: ``{kind: {"count", "row_ids"}}`` (the first ``first``
+    ids of each)."""
     groups: dict[str, dict[str, Any]] = {}
     for row in skipped:
-        group = groups.setdefault(row["kind"], {"count": 0, "first_ids": []})
+        group = groups.setdefault(row["kind"], {"count": 0, "row_ids": []})
         group["count"] += 1
-        if len(group["first_ids"]) < first:
-            group["first_ids"].append(row["id"])
+        if len(group["row_ids"]) < first:
+            group["row_ids"].append(row["id"])
     return dict(sorted(groups.items(), key=lambda kv: -kv[1]["count"]))
 
 
 def describe_skips(skipped: list[Mapping[str, Any]]) -> str:
     """One clause per skip reason with its count and first row ids, for error lines and the CLI."""
-    return "; ".join(f"{kind}: {g['count']} (rows {', '.join(repr(i) for i in g['first_ids'])}"
-                     f"{', ...' if g['count'] > len(g['first_ids']) else ''})"
+    return "; ".join(f"{kind}: {g['count']} (rows {', '.join(repr(i) for i in g['row_ids'])}"
+                     f"{', ...' if g['count'] > len(g['row_ids']) else ''})"
                      for kind, g in skipped_by_reason(skipped).items())
 
 
