@@ -110,7 +110,7 @@ def prepare(
     """Stream the recipe's dataset, encode each row once, write feature-cache/ + manifest.jsonl."""
     from stitch.config.recipe import RecipeError
     from stitch.data.feature_cache import FeatureCacheError
-    from stitch.data.prepare import PrepareError
+    from stitch.data.prepare import REPORT_NAME, PrepareError, describe_skips
     from stitch.data.prepare import prepare as run_prepare
     from stitch.plugins.host import RegistryLookupError
 
@@ -132,11 +132,8 @@ def prepare(
     table.add_row("retained per row", f"{report.retained_bytes_per_row:,.0f} B (features {report.payload_bytes_per_row:,.0f} B)")
     table.add_row("seconds", f"{report.seconds:.1f}")
     console.print(table)
-    for skipped in report.skipped:
-        console.print(
-            f"[yellow]skipped row {skipped['id']!r} (position {skipped['position']}), column "
-            f"{skipped['column']!r}:[/yellow] {skipped['reason']}",
-            highlight=False,
-        )
+    if report.skipped:
+        console.print(f"[yellow]skipped by reason:[/yellow] {describe_skips(report.skipped)}; every row and its "
+                      f"reason: {Path(report.out_dir) / REPORT_NAME}", highlight=False)
 
 

@@ -7,6 +7,7 @@ the file, the dotted field path, what was expected and what was found. The diges
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass as plain_dataclass
@@ -149,7 +150,9 @@ class LocalSource:
         if not value.is_absolute():
             base = (info.context or {}).get("base_dir") or Path.cwd()
             value = Path(base) / value
-        return value.resolve()
+        # absolute, but symlinks kept: media paths resolve against the directory the user named (a hub snapshot's
+        # files are symlinks into its blobs/, and its relative paths mean the snapshot's layout)
+        return Path(os.path.abspath(value))
 
     def describe(self) -> str:
         return f"{self.format}:{self.path}"
@@ -310,6 +313,8 @@ class DataConfig:
     feature_dtype: FeatureDtype = Field("float32", description="feature cache dtype")
     encode_batch_size: PositiveInt = Field(32, description="items per encoder call")
     shard_rows: PositiveInt = Field(256, description="rows per feature-cache shard")
+    allow_paths_outside: Flag = Field(False, description="media paths of a local source may leave its directory "
+                                                         "(absolute, ../ or a symlink); false: such rows are refused")
 
     @field_serializer("partitions")
     def _partitions_as_mapping(self, parts: tuple[Partition, ...]) -> dict[str, list[int]]:

@@ -1,8 +1,9 @@
-"""Preparation: stream a dataset, run the frozen encoder once per row, keep only features + text.
+"""Preparation: stream a dataset, check every row once, run the frozen encoder once per row, keep features + text.
 
-The cache is tokenizer-neutral on purpose: sentinel tokens and chat templates differ between tokenizer
-families (Qwen, Nemotron...) while the encoder's features do not, so the same prepared directory serves
-every base model; the collator applies the tokenizer-specific part (sentinels, template) at training time.
+The feature cache is tokenizer-neutral (the encoder's features do not depend on the LM), but the rows it admits
+are not: each row's media values are normalised and confined to the dataset, and its conversation is tokenized
+exactly as training will tokenize it, with the recipe's model tokenizer and sentinels, so a row that would
+stop training is skipped or refused here, named, before any encoding.
 
 Shards are content-addressed by their inputs (encoder identity, dtype, and the hash of every media item),
 written atomically, and looked up before encoding: a re-run encodes nothing, and a killed run resumes
@@ -56,11 +57,35 @@ class BudgetExceeded(PrepareError):
 
 
 class InvalidRow(ValueError):
-    """A row that cannot be used (corrupt media, empty text); ``data.on_corrupt`` decides error or skip."""
+    """A row that cannot be used (corrupt media, empty text, a path outside the dataset, a prompt that does not
+    tokenize); ``data.on_corrupt`` decides error or skip. ``kind`` groups rows skipped for the same reason."""
 
-    def __init__(self, row_id: str, position: int, column: str, reason: str) -> None:
+    def __init__(self, row_id: str, position: int, column: str, reason: str, kind: str) -> None:
         super().__init__(f"row {row_id!r} (stream position {position}), column {column!r}: {reason}")
-        self.row_id, self.position, self.column, self.reason = row_id, position, column, reason
+        self.row_id, self.position, self.column, self.reason, self.kind = row_id, position, column, reason, kind
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.row_id, "position": self.position, "column": self.column, "kind": self.kind,
+                "reason": self.reason}
+
+
+def skipped_by_reason(skipped: Iterable[Mapping[str, Any]], first: int = 5) -> dict[str, dict[str, Any]]:
+    """Skipped rows grouped by ``kind``, most frequent first: ``{kind: {"count", "row_ids"}}`` (the first ``first``
+    ids of each)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for row in skipped:
+        group = groups.setdefault(row["kind"], {"count": 0, "row_ids": []})
+        group["count"] += 1
+        if len(group["row_ids"]) < first:
+            group["row_ids"].append(row["id"])
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]["count"]))
+
+
+def describe_skips(skipped: list[Mapping[str, Any]]) -> str:
+    """One clause per skip reason with its count and first row ids, for error lines and the CLI."""
+    return "; ".join(f"{kind}: {g['count']} (rows {', '.join(repr(i) for i in g['row_ids'])}"
+                     f"{', ...' if g['count'] > len(g['row_ids']) else ''})"
+                     for kind, g in skipped_by_reason(skipped).items())
 
 
 @dataclass
@@ -68,7 +93,9 @@ class PrepareReport:
     out_dir: str
     rows: dict[str, int]  # partition -> rows written
     rows_scanned: int
+    rows_unassigned: int  # valid rows between partitions: neither written nor skipped
     skipped: list[dict[str, Any]]
+    skipped_by_reason: dict[str, dict[str, Any]]
     shards_encoded: int
     shards_reused: int
     items_encoded: int
@@ -126,9 +153,23 @@ def _raw_media_stream(stream: Any, media_column: str) -> Any:
     """Ask ``datasets`` for undecoded media (``{bytes, path}``) so the encoder's ``decode_item`` decodes it."""
     features = getattr(stream, "features", None)
     feature = features.get(media_column) if features else None
-    if feature is not None and getattr(feature, "decode", False):
-        return stream.cast_column(media_column, dataclasses.replace(feature, decode=False))
-    return stream
+    undecoded = _undecoded(feature) if feature is not None else None
+    return stream if undecoded is None else stream.cast_column(media_column, undecoded)
+
+
+def _undecoded(feature: Any) -> Any:
+    """``feature`` (or the media feature a list holds) with decoding off; None when it decodes no media. A ``Json``
+    column (what ``datasets`` infers for a column holding a string in some rows and a list in others) is left
+    decoding: undecoded it hands back each value's JSON text, so a path would arrive quoted."""
+    from datasets import Json
+
+    if isinstance(feature, Json) or not dataclasses.is_dataclass(feature):
+        return None
+    if getattr(feature, "decode", False):
+        return dataclasses.replace(feature, decode=False)
+    inner = getattr(feature, "feature", None)
+    inner = _undecoded(inner) if inner is not None else None
+    return None if inner is None else dataclasses.replace(feature, feature=inner)
 
 
 def tree_bytes(path: Path) -> int:
@@ -162,16 +203,88 @@ def media_fingerprint(value: Any) -> str:
     return digest.hexdigest()
 
 
-def _with_base(value: Any, base: Path | None) -> Any:
-    """Relative media paths of a local source are relative to the source directory, not the cwd."""
-    if base is None:
-        return value
-    if isinstance(value, str) and not os.path.isabs(value):
-        return str(base / value)
-    if isinstance(value, Mapping) and value.get("bytes") is None and value.get("path"):
-        if not os.path.isabs(value["path"]):
-            return {**value, "path": str(base / value["path"])}
-    return value
+@dataclass(frozen=True)
+class MediaPaths:
+    """Where a row's media paths may point. A local source's relative paths resolve against its directory and
+    must stay inside it (after ``..`` and symlinks) unless ``data.allow_paths_outside``; a source without a
+    directory of its own (hub, builtin) must carry bytes, so a dataset can never make stitch read this
+    machine's files."""
+
+    root: Path | None  # the local dataset directory; None: rows must carry bytes
+    allow_outside: bool
+    source: str  # how errors name the source
+    blobs: Path | None = None  # a hub snapshot in the HF cache: its files are symlinks into the repo's blobs/
+
+    def item(self, value: Any) -> Any:
+        """One media value normalised for ``decode_item``: bytes, ``{bytes, path}`` with bytes, or a checked path
+        (a ``{path}`` dict keeps its other keys); raises ``_BadMedia``."""
+        if isinstance(value, bytes | bytearray | memoryview):
+            return bytes(value)
+        if isinstance(value, Mapping):
+            if value.get("bytes") is not None:
+                return value  # bytes win; the path is only a name and is never opened
+            if value.get("path"):
+                return {**value, "path": self.path(str(value["path"]))}
+            raise _BadMedia("media-type", f"a media dict needs 'bytes' or 'path', got keys {sorted(value)}")
+        if isinstance(value, str | os.PathLike):
+            return self.path(os.fspath(value))
+        return value  # anything else (a decoded image, an array) is the encoder's decode_item to judge
+
+    def path(self, value: str) -> str:
+        if self.root is None:
+            raise _BadMedia("path-not-allowed", f"{self.source} rows must carry media bytes; got the path {value!r}, "
+                                                f"which would be read from this machine")
+        candidate = Path(value) if os.path.isabs(value) else self.root / value
+        real = candidate.resolve()
+        if not self.allow_outside:
+            if not Path(os.path.normpath(candidate)).is_relative_to(self.root):
+                how = "an absolute path" if os.path.isabs(value) else "a '..' path"
+                raise _BadMedia("path-outside", f"{how} outside the dataset directory {str(self.root)!r}: {value!r}; "
+                                                f"set data.allow_paths_outside: true to allow it")
+            inside = real.is_relative_to(self.root.resolve()) or (self.blobs and real.is_relative_to(self.blobs))
+            if not inside:
+                raise _BadMedia("path-outside", f"{value!r} is a symlink to {str(real)!r}, outside the dataset "
+                                                f"directory {str(self.root)!r}; set data.allow_paths_outside: true "
+                                                f"to allow it")
+        if not real.is_file():
+            raise _BadMedia("missing-file", f"media file {value!r} not found (looked at {str(candidate)!r})")
+        return str(real)
+
+
+class _BadMedia(ValueError):
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+def short_value(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def media_paths(data: Any) -> MediaPaths:
+    source = data.source
+    if isinstance(source, LocalSource):
+        root = source.path.parent if source.path.is_file() else source.path  # absolute, symlinks kept
+        return MediaPaths(root, data.allow_paths_outside, "local", _snapshot_blobs(source.path))
+    return MediaPaths(None, False, "hub" if isinstance(source, HubSource) else "builtin")
+
+
+def _snapshot_blobs(path: Path) -> Path | None:
+    """``REPO/blobs`` when ``path`` lies in a hub snapshot of the HF cache (``REPO/snapshots/REVISION/...``)."""
+    path = Path(os.path.abspath(path))  # lexically: the snapshot's own files are symlinks
+    for parent in path.parents:
+        if parent.parent.name == "snapshots" and parent.parent.parent.name.startswith("datasets--"):
+            return (parent.parent.parent / "blobs").resolve()
+    return None
+
+
+def media_items(value: Any, row_id: str, position: int, column: str) -> list[Any]:
+    """A media column's value as a list of items: one column may hold one item in some rows and a list in others."""
+    values = list(value) if isinstance(value, list | tuple) else [value]
+    if not values or any(v is None for v in values):
+        raise InvalidRow(row_id, position, column, f"no media value (got {short_value(value)})", "no-media")
+    return values
 
 
 LLAVA_IMAGE_MARKER = "<image>"
@@ -186,24 +299,27 @@ def _messages(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int
             if isinstance(value, int | float) and not isinstance(value, bool):
                 value = str(value)
             if not isinstance(value, str) or not value.strip():
-                raise InvalidRow(row_id, position, column, f"expected non-empty text, got {value!r}")
+                raise InvalidRow(row_id, position, column, f"expected non-empty text, got {short_value(value)}",
+                                 "empty-text")
             out.append({"role": role, "content": value})
         return out
     value = raw[cols.messages]
     if not isinstance(value, list) or not value:
-        raise InvalidRow(row_id, position, cols.messages, f"expected a list of chat messages, got {value!r}")
+        raise InvalidRow(row_id, position, cols.messages, f"expected a list of chat messages, got "
+                                                          f"{short_value(value)}", "bad-messages")
     out = []
     for turn in value:
         role = turn.get("role", turn.get("from")) if isinstance(turn, Mapping) else None
         content = turn.get("content", turn.get("value")) if isinstance(turn, Mapping) else None
         if role not in _ROLES or not isinstance(content, str):
-            raise InvalidRow(
-                row_id, position, cols.messages, f"expected {{role, content}} turns (roles {sorted(_ROLES)}), got {turn!r}"
-            )
+            raise InvalidRow(row_id, position, cols.messages,
+                             f"expected {{role, content}} turns (roles {sorted(_ROLES)}), got {short_value(turn)}",
+                             "bad-messages")
         # LLaVA-style data marks the image with a literal "<image>" in the text; stitch places media itself
         out.append({"role": _ROLES[role], "content": content.replace(LLAVA_IMAGE_MARKER, "").strip()})
     if out[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in out):
-        raise InvalidRow(row_id, position, cols.messages, "messages must contain a user turn and end with the assistant")
+        raise InvalidRow(row_id, position, cols.messages, "messages must contain a user turn and end with the "
+                                                          "assistant", "bad-messages")
     return out
 
 
@@ -221,7 +337,8 @@ def _extra(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int) -
         if isinstance(value, int | float) and not isinstance(value, bool):
             value = str(value)
         if not isinstance(value, str) or not value.strip():
-            raise InvalidRow(row_id, position, column, f"expected non-empty text (data.columns.{key}), got {value!r}")
+            raise InvalidRow(row_id, position, column, f"expected non-empty text (data.columns.{key}), got "
+                                                       f"{short_value(value)}", "empty-text")
         out[key] = value
     return out
 
@@ -248,6 +365,63 @@ def _check_columns(raw: Mapping[str, Any], recipe: Recipe, row_id: str) -> None:
         column = getattr(cols, role)
         if column is not None and column not in raw:
             raise _missing_column(column, role, raw, row_id)
+
+
+class PromptCheck:
+    """Tokenizes each row as training will (``tokenize_example`` with the recipe's model tokenizer and sentinels)
+    and checks it fits the token budget of every stage that reads its partition. The tokenizer loads once; the
+    LM's weights never load here."""
+
+    def __init__(self, recipe: Recipe, host: Any, tokens_per_item: int) -> None:
+        from jinja2 import TemplateError
+
+        from stitch.model.binding import ModelBinding
+
+        binding = ModelBinding.for_recipe(recipe, host=host, device="cpu")
+        self.model = recipe.model
+        self.tokenizer, self.sentinels, self.tokens = binding.tokenizer, binding.sentinel_ids, tokens_per_item
+        self.columns = recipe.data.columns
+        self.errors = (ValueError, TemplateError)  # CollatorError is a ValueError; a chat template may raise
+        self.budgets: dict[str, list[tuple[str, int]]] = {}  # partition -> (stage, token_budget)
+        for stage, opts in recipe.stages.items():
+            budget, partition = getattr(opts, "token_budget", None), getattr(opts, "partition", None)
+            if budget is not None and partition is not None:
+                self.budgets.setdefault(partition, []).append((stage, budget))
+
+    def tokenize(self, conversation: list[dict[str, str]], num_items: int, row_id: str = "?") -> list[int]:
+        from stitch.data.collator import tokenize_example
+
+        return tokenize_example(self.tokenizer, conversation, self.sentinels, self.tokens, num_items,
+                                row_id=row_id)[0]
+
+    def check(self, messages: list[dict[str, str]], extra: Mapping[str, str], num_items: int, partition: str | None,
+              row_id: str, position: int) -> None:
+        prompt_column = self.columns.messages or self.columns.question
+        branches = [(self.columns.messages or self.columns.answer, messages)]
+        if "rejected" in extra:  # DPO tokenizes the rejected answer after the same prompt
+            rejected = {"role": "assistant", "content": extra["rejected"]}
+            branches.append((self.columns.rejected, [*messages[:-1], rejected]))
+        for answer_column, conversation in branches:
+            try:
+                ids = self.tokenize(conversation, num_items, row_id)
+            except self.errors as exc:
+                column = answer_column if self._answer_at_fault(conversation, num_items) else prompt_column
+                raise InvalidRow(row_id, position, column, f"does not tokenize with {self.model!r}'s tokenizer as "
+                                 f"training would: {str(exc).removeprefix(f'row {row_id!r}: ')}", "prompt") from exc
+            for stage, budget in self.budgets.get(partition or "", []):
+                if len(ids) > budget:
+                    raise InvalidRow(row_id, position, prompt_column,
+                                     f"{len(ids)} tokens with {self.model!r}'s tokenizer, expected at most "
+                                     f"stages.{stage}.token_budget={budget} (stage {stage} reads partition "
+                                     f"{partition!r})", "too-long")
+
+    def _answer_at_fault(self, conversation: list[dict[str, str]], num_items: int) -> bool:
+        """Whether the same prompt with a plain answer tokenizes (then the answer is what fails)."""
+        try:
+            self.tokenize([*conversation[:-1], {"role": "assistant", "content": "x"}], num_items)
+        except self.errors:
+            return False
+        return True
 
 
 # -- shards ---------------------------------------------------------------------------------------------
@@ -296,7 +470,8 @@ def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any])
 
 class _Preparation:
     def __init__(
-        self, recipe: Recipe, out_dir: Path, spec: EncoderSpec, encoder: Any, device: str, progress: bool
+        self, recipe: Recipe, out_dir: Path, spec: EncoderSpec, encoder: Any, device: str, progress: bool,
+        prompts: PromptCheck,
     ) -> None:
         self.recipe, self.data, self.spec = recipe, recipe.data, spec
         self.out_dir = out_dir
@@ -320,7 +495,10 @@ class _Preparation:
         self.rows_scanned = 0
         self.shards_encoded = self.shards_reused = self.items_encoded = self.items_written = 0
         self.rows_written: dict[str, int] = {p.name: 0 for p in self.data.partitions}
+        self.rows_unassigned = 0
         self.skipped: list[dict[str, Any]] = []
+        self.paths = media_paths(self.data)
+        self.prompts = prompts
 
     @property
     def encoder(self) -> Any:
@@ -351,7 +529,7 @@ class _Preparation:
             )
 
     # -- scanning --------------------------------------------------------------------------------------
-    def valid_rows(self, stream: Iterable[Mapping[str, Any]], base: Path | None) -> Iterator[_PendingRow]:
+    def valid_rows(self, stream: Iterable[Mapping[str, Any]]) -> Iterator[_PendingRow]:
         """Selected rows in stream order; invalid rows are raised or skipped, never given an ordinal."""
         cols = self.data.columns
         ordinal = 0
@@ -359,23 +537,26 @@ class _Preparation:
             self.rows_scanned = position + 1
             row_id = _row_id(raw, self.recipe, position)
             _check_columns(raw, self.recipe, row_id)
+            partition = self.data.partition_of(ordinal)  # the one this row takes if it is valid
             try:
                 messages = _messages(raw, self.recipe, row_id, position)
                 extra = _extra(raw, self.recipe, row_id, position)
-                media = self.media_values(raw[cols.media], row_id, position, base)
+                values = media_items(raw[cols.media], row_id, position, cols.media)
+                # tokenizing is cheap and decoding is not: the prompt is checked before the media are opened
+                self.prompts.check(messages, extra, len(values), partition and partition.name, row_id, position)
+                media = self.media_values(values, row_id, position)
             except InvalidRow as bad:
                 if self.data.on_corrupt == "error":
                     raise PrepareError(
                         f"{bad}. Fix the row, or set data.on_corrupt: skip to count and skip such rows"
                     ) from bad
-                self.skipped.append(
-                    {"id": bad.row_id, "position": bad.position, "column": bad.column, "reason": bad.reason}
-                )
+                self.skipped.append(bad.as_json())
                 continue
-            partition = self.data.partition_of(ordinal)
             ordinal += 1
             if partition is not None:
                 yield _PendingRow(row_id, position, partition.name, messages, media["values"], media["hashes"], extra)
+            else:
+                self.rows_unassigned += 1
             if ordinal >= self.data.rows_needed:
                 break
         if ordinal < self.data.rows_needed:
@@ -385,28 +566,30 @@ class _Preparation:
                 if self.rows_scanned >= self.data.scan_cap
                 else "the end of the dataset"
             )
+            skips = f" Skipped by reason: {describe_skips(self.skipped)}." if self.skipped else ""
             raise PrepareError(
                 f"found {ordinal} valid rows before {limit} ({self.rows_scanned} scanned, {len(self.skipped)} "
-                f"skipped); partitions {short} need {self.data.rows_needed}. Raise data.scan_cap, use a larger "
-                f"source, or shrink the partitions"
+                f"skipped); partitions {short} need {self.data.rows_needed}.{skips} Every skipped row and its "
+                f"reason: {self.out_dir / REPORT_NAME}. Raise data.scan_cap, use a larger source, fix the rows, "
+                f"or shrink the partitions"
             )
 
-    def media_values(self, value: Any, row_id: str, position: int, base: Path | None) -> dict[str, list]:
+    def media_values(self, values: list[Any], row_id: str, position: int) -> dict[str, list]:
         column = self.data.columns.media
-        values = value if isinstance(value, list) else [value]
-        if not values or any(v is None for v in values):
-            raise InvalidRow(row_id, position, column, "no media value")
-        hashes = []
-        values = [_with_base(v, base) for v in values]
+        hashes, checked = [], []
         for v in values:
             try:
+                v = self.paths.item(v)
                 self.spec.decode_item(v)  # validate now: an invalid row must not take a valid-row ordinal
                 hashes.append(media_fingerprint(v))
+            except _BadMedia as exc:
+                raise InvalidRow(row_id, position, column, str(exc), exc.kind) from exc
             except (ValueError, OSError) as exc:
-                raise InvalidRow(row_id, position, column, f"corrupt media ({exc})") from exc
+                raise InvalidRow(row_id, position, column, f"corrupt media ({exc})", "corrupt-media") from exc
             except TypeError as exc:
-                raise InvalidRow(row_id, position, column, str(exc)) from exc
-        return {"values": values, "hashes": hashes}
+                raise InvalidRow(row_id, position, column, str(exc), "media-type") from exc
+            checked.append(v)
+        return {"values": checked, "hashes": hashes}
 
     # -- shards ----------------------------------------------------------------------------------------
     def shards(self, rows: Iterator[_PendingRow]) -> Iterator[list[_PendingRow]]:
@@ -491,16 +674,19 @@ class _Preparation:
         try:
             stream = open_stream(self.data.source, tmp / "datasets")
             stream = _raw_media_stream(stream, self.data.columns.media)
-            base = self.data.source.path if isinstance(self.data.source, LocalSource) else None
-            if base is not None and base.is_file():
-                base = base.parent
             with open(manifest_tmp, "w", encoding="utf-8") as manifest, _progress(selected, self.progress) as bar:
-                for shard_rows in self.shards(self.valid_rows(stream, base)):
+                for shard_rows in self.shards(self.valid_rows(stream)):
                     self.flush(shard_rows, manifest, bar)
                     self.check_transient(tmp)
                     bar.set_postfix(encoded=self.shards_encoded, reused=self.shards_reused, refresh=False)
             self.check_transient(tmp)
             os.replace(manifest_tmp, manifest_path)
+        except PrepareError as exc:  # the report says what was scanned and skipped, also when preparation fails
+            _write_json_atomic(self.out_dir / REPORT_NAME, {
+                "out_dir": str(self.out_dir), "complete": False, "error": str(exc), "rows_scanned": self.rows_scanned,
+                "skipped": self.skipped, "skipped_by_reason": skipped_by_reason(self.skipped, first=len(self.skipped)),
+            })
+            raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
             manifest_tmp.unlink(missing_ok=True)
@@ -514,7 +700,9 @@ class _Preparation:
             out_dir=str(self.out_dir),
             rows=dict(self.rows_written),
             rows_scanned=self.rows_scanned,
+            rows_unassigned=self.rows_unassigned,
             skipped=self.skipped,
+            skipped_by_reason=skipped_by_reason(self.skipped, first=len(self.skipped)),
             shards_encoded=self.shards_encoded,
             shards_reused=self.shards_reused,
             items_encoded=self.items_encoded,
@@ -566,7 +754,8 @@ def prepare(
 
         host = get_host()
     spec = host.get("encoders", recipe.encoder)
+    prompts = PromptCheck(recipe, host, spec.tokens_per_item)  # before the run directory exists: a bad model name
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with RunLock(out, "prepare"):
-        return _Preparation(recipe, out, spec, encoder, device, progress).run()
+        return _Preparation(recipe, out, spec, encoder, device, progress, prompts).run()

@@ -1,9 +1,10 @@
-"""Training checkpoints: ``checkpoints/step_N/`` (adapter, projector artifact, optimizer, RNG, data state),
-and ``checkpoints/LATEST`` naming the newest complete one, written atomically and last."""
+"""Training checkpoints: ``checkpoints/step_N/`` (adapter, projector artifact, optimizer, RNG, data state, the
+intra-op thread count), and ``checkpoints/LATEST`` naming the newest complete one, written atomically and last."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from stitch.data.feature_cache import file_sha256
+
+log = logging.getLogger("stitch")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -38,12 +41,22 @@ def random_from_json(rng: random.Random, state: list[Any]) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random_to_json(random)}
+    """The CPU torch and python generators, and with CUDA the generator of every visible device (dropout and
+    sampling on a GPU draw from those, not from the CPU one)."""
+    state = {"torch": torch.get_rng_state(), "python": random_to_json(random)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` saved. CUDA generators are restored for the devices both runs see; a CPU-only
+    process resuming a CUDA run has no CUDA generator to restore."""
     torch.set_rng_state(state["torch"])
     random_from_json(random, state["python"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
 
 
 def latest_step_dir(root: Path) -> Path | None:
@@ -79,7 +92,8 @@ def save_step(
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        record = {"step": step, **state, "intra_op_threads": torch.get_num_threads()}
+        (tmp / "trainer_state.json").write_text(json.dumps(record, indent=1))
         write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -100,7 +114,20 @@ def load_step_state(step_dir: Path, optimizer: torch.optim.Optimizer | None) -> 
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(step_dir / "optimizer.pt", weights_only=True))
     set_rng_state(torch.load(step_dir / "rng.pt", weights_only=True))
-    return json.loads((step_dir / "trainer_state.json").read_text())
+    state = json.loads((step_dir / "trainer_state.json").read_text())
+    use_threads_of(state, step_dir)
+    return state
+
+
+def use_threads_of(state: dict[str, Any], step_dir: Path) -> None:
+    """Continue with the intra-op thread count the checkpoint was written with. CPU kernels split reductions by
+    thread count, so a process resuming with another count (another OMP_NUM_THREADS, another machine) drifts
+    from the uninterrupted run from the first update on (~1e-7 relative): exact resume needs the same count."""
+    threads = state.get("intra_op_threads")
+    if threads and threads != torch.get_num_threads():
+        log.info("resuming %s with %d intra-op threads, as it was written (this process had %d)", step_dir, threads,
+                 torch.get_num_threads())
+        torch.set_num_threads(threads)
 
 
 CHECKSUMS = "SHA256SUMS.json"

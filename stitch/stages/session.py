@@ -82,6 +82,7 @@ class StitchSession:
 
         row = ManifestRow.from_json(record, str(self.manifest_path))
         input_ids, labels = tokenize_example(
-            self.tokenizer, row.messages, self.sentinel_ids, self.encoder_spec.tokens_per_item, row.num_items
+            self.tokenizer, row.messages, self.sentinel_ids, self.encoder_spec.tokens_per_item, row.num_items,
+            row_id=row.id,
         )
         return Sample(row.id, input_ids, labels, self.data.features(row))
