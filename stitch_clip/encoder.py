@@ -24,7 +24,7 @@ DEMO_PAYLOAD = "clip_image_demo"
 
 def decode_image(value: Any) -> Any:
     """A PIL RGB image from a PIL image, bytes, a ``{"bytes", "path"}`` dict (datasets' Image) or a path."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if isinstance(value, Image.Image):
         return value.convert("RGB")
@@ -43,7 +43,8 @@ def decode_image(value: Any) -> Any:
         else:
             raise ValueError(f"expected an image, bytes or a path, got {type(value).__name__}")
         image.load()
-        return image.convert("RGB")
+        # a camera's EXIF orientation says how to turn the stored pixels upright; CLIP must see them upright
+        return ImageOps.exif_transpose(image).convert("RGB")
     except (UnidentifiedImageError, OSError) as exc:
         raise ValueError(f"cannot decode image: {exc}") from exc
 

@@ -343,3 +343,17 @@ def test_a_hub_snapshot_in_the_hf_cache_prepares_through_its_symlinks_into_blobs
                                         source={"path": str(snapshot / "rows.jsonl"), "format": "json"}))
     report = prepare(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
     assert report.skipped == [] and report.total_rows == 1
+
+
+def test_clip_decoding_turns_an_exif_rotated_photo_upright():
+    """A phone photo stored sideways with orientation 6 must reach the encoder as it is displayed: tall, not wide."""
+    from stitch_clip.encoder import decode_image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees on display
+    buf = io.BytesIO()
+    Image.new("RGB", (80, 50), (200, 30, 30)).save(buf, "JPEG", exif=exif)
+    assert decode_image(buf.getvalue()).size == (50, 80)
+    plain = io.BytesIO()
+    Image.new("RGB", (80, 50), (200, 30, 30)).save(plain, "JPEG")
+    assert decode_image(plain.getvalue()).size == (80, 50)
