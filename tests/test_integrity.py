@@ -80,3 +80,18 @@ def test_a_tampered_checkpoint_is_refused_naming_the_file_before_inference_loads
     _tamper(step / "adapter" / "adapter_model.safetensors")
     with pytest.raises(CheckpointIntegrityError, match=r"adapter/adapter_model\.safetensors has sha256 .* modified"):
         resolve_checkpoint(step)
+
+
+def test_a_checkpoint_whose_checksum_record_was_deleted_is_refused(sft_run, tmp_path):
+    import shutil
+
+    from stitch.runs.checkpoint import CHECKSUMS, CheckpointIntegrityError, latest_step_dir
+    from stitch.serve.inference import resolve_checkpoint
+
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(sft_run / "sft" / "checkpoints", copy)
+    step = latest_step_dir(copy)
+    (step / CHECKSUMS).unlink()
+    _tamper(step / "adapter" / "adapter_model.safetensors")  # unchecked, this would now load
+    with pytest.raises(CheckpointIntegrityError, match=f"{CHECKSUMS} is missing"):
+        resolve_checkpoint(step)

@@ -146,10 +146,13 @@ def write_checksums(step_dir: Path) -> None:
 
 def verify_checksums(step_dir: Path) -> None:
     """Refuse a step directory whose files differ from the recorded sha256s (tampered, truncated, missing),
-    naming the file; a step written before checksums were recorded passes."""
+    naming the file. Every checkpoint stitch writes records them, so a step without the record is refused too:
+    deleting it must not switch the check off."""
     record = Path(step_dir) / CHECKSUMS
     if not record.is_file():
-        return
+        raise CheckpointIntegrityError(
+            f"checkpoint {step_dir}: {CHECKSUMS} is missing, so its files cannot be checked against what was "
+            f"written; it was deleted, or the directory was not written by stitch's checkpointing")
     for name, want in json.loads(record.read_text()).items():
         path = Path(step_dir) / name
         if not path.is_file():
