@@ -90,10 +90,10 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
                 offset += rows[-1]["step"]
         baseline = baseline_accuracy(summary)
         if baseline is not None:
-            ax.axhline(baseline, color="gray", linestyle="--", label=f"majority answer {baseline:.0%}")
+            ax.axhline(baseline, color="gray", linestyle="--", label=f"majority answer {baseline:.1%}")
         control = (summary.get("evaluation") or {}).get("zeroed_features_accuracy")
         if control is not None:
-            ax.axhline(control, color="red", linestyle=":", label=f"zeroed features {control:.0%}")
+            ax.axhline(control, color="red", linestyle=":", label=f"zeroed features {control:.1%}")
         ax.set_ylim(0, 1)
         ax.set_xlabel("step (SFT, then GRPO)")
         ax.set_ylabel("held-out accuracy")
@@ -114,7 +114,7 @@ def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
         ax.bar([s for s, _ in stages], [a for _, a in stages])
         baseline = baseline_accuracy(summary)
         if baseline is not None:
-            ax.axhline(baseline, color="gray", linestyle="--", label=f"majority answer {baseline:.0%}")
+            ax.axhline(baseline, color="gray", linestyle="--", label=f"majority answer {baseline:.1%}")
             ax.legend()
         ax.set_ylim(0, 1)
         ax.set_ylabel("held-out accuracy")
