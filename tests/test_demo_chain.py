@@ -17,10 +17,11 @@ import pytest
 
 MAJORITY = 1 / 8  # counts 1..8, each exactly 50 times in the 400 held-out rows
 EVAL_ROWS = 400
-# Measured (3 seeds, README): SFT 0.867-0.875 on 400 held-out rows (its annotator's ceiling is 0.875); GRPO
-# 0.89-0.995; zeroed features 0.125. The thresholds sit a little below the measured means.
-SFT_MIN_ACCURACY = 0.82
-GRPO_MIN_GAIN = 0.05
+# Measured from empty caches on the 2-core machine (3 seeds, README): SFT 0.8675-0.8725 on 400 held-out rows (its
+# annotator's ceiling is 0.875), GRPO 0.985-0.9925 (+11.7 points on the mean), zeroed features 0.125, reward
+# rising in every seed. The thresholds sit a little below the measured figures.
+SFT_MIN_ACCURACY = 0.84
+GRPO_MIN_GAIN = 0.08
 CONTROL_MAX_GAP = 0.05  # the zeroed-feature control stays within 5 points of the majority-answer rate
 
 
