@@ -20,7 +20,7 @@ from stitch.data.feature_cache import (
     PreparedData,
     UnknownRowError,
 )
-from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, SHAPES, SIZES, answer_text
+from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, MAX_OBJECTS, SHAPES, SIZES, answer_text
 from stitch.model.projector import FeatureWidthError, check_feature_width
 
 BASE = {
@@ -135,8 +135,10 @@ def test_shipped_demo_recipe_names_registered_specs_and_its_stages_use_its_parti
         for key in ("partition", "eval_partition"):
             if getattr(options, key) is not None:
                 assert getattr(options, key) in partitions, (stage, key)
-    # the demo's features fit its retained budget: 49 x 768 fp16 per row
-    assert sum(p.rows for p in demo.data.partitions) * 49 * 768 * 2 < demo.data.budgets.retained_bytes
+    # the demo's features fit its retained budget: tokens x width fp16 per row
+    encoder = host.get("encoders", demo.encoder)
+    row_bytes = encoder.tokens_per_item * encoder.feature_width * 2
+    assert sum(p.rows for p in demo.data.partitions) * row_bytes < demo.data.budgets.retained_bytes
 
 
 # -- demo dataset ----------------------------------------------------------------------------------------
@@ -158,7 +160,7 @@ def test_demo_rows_are_deterministic_use_the_tiny_vocabulary_and_state_the_count
         assert {w for w in words if w in vocabulary}, row["answer"]
     for row in rows[10:]:
         assert row["question"] == COUNT_QUESTION and row["answer"] == answer_text(row["count"])
-        assert 1 <= row["count"] <= 5
+        assert 1 <= row["count"] <= MAX_OBJECTS
 
 
 def test_demo_image_is_a_224px_png_with_one_blob_per_counted_object():
