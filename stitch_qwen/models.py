@@ -10,7 +10,13 @@ from stitch.api import ModelSource, ModelSpec, varlen_kernels_ready
 from stitch_qwen.kernels import install_fused_kernels, use_fused_kernels, use_varlen
 from stitch_qwen.published import snapshot_writer
 from stitch_qwen.sentinels import SENTINELS
-from stitch_qwen.tiny import TINY_HIDDEN, build_qwen35_demo, build_qwen35_moe_tiny, build_qwen35_tiny
+from stitch_qwen.tiny import (
+    TINY_HIDDEN,
+    build_qwen35_demo,
+    build_qwen35_moe_tiny,
+    build_qwen35_tiny,
+    write_tokenizer,
+)
 from stitch_qwen.vlm_layout import VLM_TO_TEXT
 
 # Families that get LoRA; each survives the GRPO handoff (merge into the base weight, refit as a plain Linear).
@@ -136,7 +142,8 @@ def qwen_demo_spec() -> ModelSpec:
         name="qwen3.5-demo",
         architecture="Qwen3_5ForCausalLM",
         sentinels=SENTINELS.name,
-        source=ModelSource(builder=build_qwen35_demo, builder_key="qwen3.5-demo-v3"),
+        source=ModelSource(builder=build_qwen35_demo, builder_key="qwen3.5-demo-v3",
+                            tokenizer_builder=write_tokenizer),
         hidden_size=TINY_HIDDEN,
         lora_target_modules=FULL_ATTENTION,
         lora_exclusions={

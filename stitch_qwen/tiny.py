@@ -41,14 +41,19 @@ def text_config_kwargs(tokenizer_dir: Path) -> dict[str, Any]:
     }
 
 
+def write_tokenizer(out_dir: Path) -> None:
+    """The tiny presets' tokenizer (every Qwen tiny preset trains the same one): a preset's tokenizer_builder."""
+    from stitch.api import chatml_template, train_tokenizer
+
+    train_tokenizer(out_dir, SPECIAL_TOKENS, eos_token=EOS, pad_token=PAD, chat_template=chatml_template())
+
+
 def write_snapshot(out_dir: Path, config_cls: type, model_cls: type, **extra: Any) -> None:
     """Tokenizer + config (``extra`` overrides the shared shape) + seeded weights, saved to ``out_dir``."""
     import torch
     from transformers import GenerationConfig
 
-    from stitch.api import chatml_template, train_tokenizer
-
-    train_tokenizer(out_dir, SPECIAL_TOKENS, eos_token=EOS, pad_token=PAD, chat_template=chatml_template())
+    write_tokenizer(out_dir)
     config = config_cls(**{**text_config_kwargs(out_dir), **extra})
     torch.manual_seed(SEED)
     model = model_cls(config)

@@ -151,3 +151,22 @@ def test_clip_encoder_equals_the_full_towers_penultimate_layer_through_the_snaps
 
 def tower_layers(model):
     return getattr(model, "vision_model", model).encoder.layers
+
+
+def test_reading_the_demo_bases_tokenizer_builds_no_weights_and_matches_the_full_snapshots(host, tmp_path,
+                                                                                         monkeypatch):
+    """Prepare's row checks read the tokenizer; for the demo base that must not mean pre-training an LM."""
+    from stitch.model.loading import load_tokenizer
+    from stitch.model.snapshots import cache_root, snapshot_ready
+
+    spec = host.get("models", "qwen3.5-demo")
+    full = ensure_snapshot(spec.source.builder_key, spec.source.builder)  # the session cache's build
+    monkeypatch.setenv("STITCH_CACHE", str(tmp_path / "empty-cache"))
+    tokenizer = load_tokenizer(spec)
+    assert not snapshot_ready(spec.source.builder_key)  # the weights were not built
+    only = cache_root() / "snapshots" / f"{spec.source.builder_key}-tokenizer"
+    assert not list(only.glob("*.safetensors"))
+    shared = {n for n in digests(only) if n.startswith("tokenizer") or n == "special_tokens_map.json"}
+    assert "tokenizer.json" in shared
+    assert {n: digests(only)[n] for n in shared} == {n: digests(full)[n] for n in shared}
+    assert tokenizer.convert_tokens_to_ids("<|vision_start|>") != tokenizer.unk_token_id

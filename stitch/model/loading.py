@@ -29,7 +29,7 @@ def load_tokenizer(spec: ModelSpec, source: ModelSource | None = None, trust_rem
     from transformers import AutoTokenizer
 
     source = source or spec.source
-    return AutoTokenizer.from_pretrained(**source.pretrained_kwargs(), trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(**source.tokenizer_kwargs(), trust_remote_code=trust_remote_code)
 
 
 def kernel_report(spec: ModelSpec) -> list[str]:

@@ -18,6 +18,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("STITCH_CACHE", Path.home() / ".cache" / "stitch"))
 
 
+def snapshot_ready(key: str) -> bool:
+    """Whether the snapshot for ``key`` is built (its ``.complete`` marker is written last)."""
+    return (cache_root() / "snapshots" / key / ".complete").exists()
+
+
 def ensure_snapshot(key: str, builder: Callable[[Path], None]) -> Path:
     """The snapshot directory for ``key``, running ``builder(tmpdir)`` and renaming it into place once."""
     final = cache_root() / "snapshots" / key

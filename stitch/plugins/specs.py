@@ -18,6 +18,9 @@ class ModelSource:
     # A tiny preset: ``builder(dir)`` writes a random-init snapshot, built once into the stitch cache.
     builder: Callable[[Path], None] | None = None
     builder_key: str | None = None
+    # Optional: writes only the tokenizer files ``builder`` writes (the same bytes), so that reading a preset's
+    # tokenizer (prepare's row checks) does not build, or pre-train, its weights.
+    tokenizer_builder: Callable[[Path], None] | None = None
 
     def __post_init__(self) -> None:
         if self.builder is not None:
@@ -51,6 +54,17 @@ class ModelSource:
         if self.local_path is not None:
             return {"pretrained_model_name_or_path": self.local_path}
         return {"pretrained_model_name_or_path": self.repo_id, "revision": self.revision}
+
+    def tokenizer_kwargs(self) -> dict[str, Any]:
+        """``pretrained_kwargs`` for ``AutoTokenizer``: a preset's tokenizer-only snapshot when its weights are not
+        built yet and it declares a ``tokenizer_builder``, else the full snapshot."""
+        if self.builder is not None and self.tokenizer_builder is not None:
+            from stitch.model.snapshots import ensure_snapshot, snapshot_ready
+
+            if not snapshot_ready(self.builder_key):
+                snapshot = ensure_snapshot(f"{self.builder_key}-tokenizer", self.tokenizer_builder)
+                return {"pretrained_model_name_or_path": str(snapshot)}
+        return self.pretrained_kwargs()
 
     def with_local_path(self, path: str) -> ModelSource:
         return ModelSource(local_path=path)
