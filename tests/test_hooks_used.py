@@ -324,6 +324,7 @@ def test_clip_encoders_name_the_clip_image_payload_registered_beside_them():
 def test_hook_register_rollout_engines(probe_run, use_host, tmp_path):
     """Inference builds the engine the caller names from the registry, and the answer is what that engine
     generated from the prompt embeddings it was handed."""
+    from stitch.runs.checkpoint import write_checksums
     from stitch.serve.inference import Stitched
 
     run, _, _ = probe_run
@@ -346,6 +347,7 @@ def test_hook_register_rollout_engines(probe_run, use_host, tmp_path):
     session = open_session(probe_recipe(tmp_path / "r.yaml"), run)
     model = session.binding.build_model(lora={"r": 2, "alpha": 4})
     session.binding.save_trainable(model, tmp_path / "step-1", "sft")
+    write_checksums(tmp_path / "step-1")  # as every checkpoint stitch writes: served steps are verified first
     served = Stitched(tmp_path / "step-1", engine="probe-engine", device="cpu")
     assert made and served.engine is made[0]
     made[0].answer_ids = served.tokenizer("The answer is 3.", add_special_tokens=False)["input_ids"]

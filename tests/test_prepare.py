@@ -329,20 +329,19 @@ def test_scan_cap_reached_before_partitions_fill_is_an_error_naming_the_cap(tmp_
         prepare(recipe, tmp_path / "out", host=host_module, progress=False)
 
 
-def test_shipped_demo_recipe_prepares_with_its_own_columns_dtype_and_encoder(tmp_path, clip, host_module):
+def test_shipped_demo_recipe_prepares_with_its_own_columns_dtype_and_encoder(tmp_path, host_module):
     demo = load_recipe("demo", host_module)
     for kind, name in (("models", demo.model), ("encoders", demo.encoder), ("projectors", demo.projector)):
         host_module.get(kind, name)
-    # the same recipe, shrunk to its first 32 rows, keeps every data setting but the row count
-    small_source = dataclasses.replace(demo.data.source, rows=32, caption_rows=8)
+    # the same recipe, shrunk to its first 32 rows, keeps every data setting but the row count (its annotator
+    # labels the shrunk SFT rows); prepare reads the demo base's tokenizer without building its weights
+    small_source = dataclasses.replace(demo.data.source, rows=32, caption_rows=8, annotator_rows=(8, 32))
     parts = (dataclasses.replace(demo.data.partitions[0], end=8), dataclasses.replace(demo.data.partitions[1], start=8, end=32))
-    # prepare tokenizes every row with the recipe's model: the tiny preset of the same family has the demo base's
-    # tokenizer without its pre-training, which this test does not need
-    small = dataclasses.replace(demo, model="qwen3.5-tiny",
-                                data=dataclasses.replace(demo.data, source=small_source, partitions=parts))
-    report = prepare(small, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+    small = dataclasses.replace(demo, data=dataclasses.replace(demo.data, source=small_source, partitions=parts))
+    report = prepare(small, tmp_path / "out", host=host_module, progress=False)
     assert report.rows == {"alignment": 8, "train": 24}
-    assert report.retained_bytes_per_row <= 1.05 * TOKENS * WIDTH * 2
+    encoder = host_module.get("encoders", demo.encoder)
+    assert report.retained_bytes_per_row <= 1.05 * encoder.tokens_per_item * encoder.feature_width * 2
 
 
 def test_cli_prepare_accepts_a_recipe_file_path_and_prints_the_report(tmp_path):

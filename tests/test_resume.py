@@ -145,17 +145,19 @@ def test_checkpoint_saves_and_restores_the_rng_of_every_cuda_device(tmp_path, mo
 def test_a_resume_under_another_thread_count_continues_bitwise_with_the_checkpoints_count(prepared, tmp_path):
     # CPU reductions split by thread count: a resumed process with another count drifted ~1e-7 from step 5 on,
     # until checkpoints recorded the count and resume adopted it
-    other = "1" if torch.get_num_threads() > 1 else "2"
+    # both counts are set explicitly: the pytest process's own count may have been changed by earlier tests
+    first, other = "2", "1"
+    env = {**os.environ, "OMP_NUM_THREADS": first}
     recipe = write_recipe(tmp_path / "r.yaml", stages__sft__steps=6, stages__sft__save_every=3)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for run in (straight, resumed):
         copy_prepared(prepared / "run", run)
         shutil.copytree(prepared / "run" / "alignment", run / "alignment")
     train = ("train", "sft", "--recipe", str(recipe), "--out")
-    subprocess.run(cli(*train, str(straight)), check=True, capture_output=True)
-    subprocess.run(cli(*train, str(resumed), "--max-steps", "3"), check=True, capture_output=True)
+    subprocess.run(cli(*train, str(straight)), check=True, capture_output=True, env=env)
+    subprocess.run(cli(*train, str(resumed), "--max-steps", "3"), check=True, capture_output=True, env=env)
     state = json.loads((_step_dir(resumed, "sft", 3) / "trainer_state.json").read_text())
-    assert state["intra_op_threads"] == torch.get_num_threads() != int(other)
+    assert state["intra_op_threads"] == int(first) != int(other)
     subprocess.run(cli(*train, str(resumed), "--resume"), check=True, capture_output=True,
                    env={**os.environ, "OMP_NUM_THREADS": other})
     assert [r["loss"] for r in _records(resumed, "sft")] == [r["loss"] for r in _records(straight, "sft")]

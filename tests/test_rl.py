@@ -93,8 +93,11 @@ def test_provenance_gate_refuses_each_mismatched_field_before_any_model_load(sft
 def test_grpo_trainable_projector_logs_drift_before_every_update_and_trains_only_adapter_and_projector(
         sft_run, tmp_path):
     run = _clone(sft_run, tmp_path)
+    # hot sampling over groups of 4, so some group holds mixed rewards and the update is not zero
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__train_projector=True,
-                                      stages__grpo__steps=3, stages__grpo__lr_projector=1e-2))
+                                      stages__grpo__steps=3, stages__grpo__lr_projector=1e-2,
+                                      stages__grpo__prompts_per_step=4, stages__grpo__group_size=4,
+                                      stages__grpo__temperature=1.5))
     summary = run_stage(recipe, "grpo", run, progress=False)
     drift = [json.loads(line)["projector_drift"] for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert drift[0] == 0.0 and drift[-1] > 0.0  # logged before each update: the first sees the warm start

@@ -137,6 +137,9 @@ def test_rendered_readme_recipe_parses_and_prepares_data_stored_as_it_says(insta
     }).to_parquet(str(tmp_path / "data" / "train.parquet"))
     mapping["data"]["partitions"] = {"alignment": [0, 2], "train": [2, 6], "eval": [6, 8], "grpo": [8, 10]}
     mapping["data"]["scan_cap"] = 11
+    # prepare tokenizes every row with the recipe model's tokenizer: the README's hub model cannot download here,
+    # so its tiny preset of the same family (the same sentinels and chat template) stands in
+    mapping["model"] = "qwen3.5-tiny" if mapping["model"].startswith("qwen") else "nemotron-nano-tiny"
     report = prepare(parse_recipe(mapping, path=tmp_path / "my.yaml"), tmp_path / "data-out", host=plugin_host,
                      progress=False)
     assert report.rows == {"alignment": 2, "train": 4, "eval": 2, "grpo": 2}

@@ -188,6 +188,8 @@ class RolloutWorker:
         try:
             import ray
 
+            if not ray.is_initialized():  # outside an actor ray.get_gpu_ids() would start a local cluster
+                return []
             return [str(i) for i in ray.get_gpu_ids()]
         except Exception:  # noqa: BLE001 - outside Ray (a direct construction in a test)
             return []
