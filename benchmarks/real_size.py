@@ -80,11 +80,13 @@ def ensure_snapshot(spec, args, rec: dict) -> Path:
     t = time.perf_counter()
     write_model_snapshot(spec, directory, layers=args.layers, width=args.width, dtype=torch.bfloat16,
                          progress=log, spill_dir=spill,
-                         disk_budget_bytes=None if args.disk_budget_gib is None else int(args.disk_budget_gib * 2**30))
+                         disk_budget_bytes=None if args.disk_budget_gib is None else int(args.disk_budget_gib * 2**30),
+                         init_device="cuda" if torch.cuda.is_available() else "cpu")
     index = directory / "model.safetensors.index.json"
     total = json.loads(index.read_text())["metadata"]["total_size"] if index.exists() else \
         (directory / "model.safetensors").stat().st_size
     rec["snapshot"] = {"dir": str(directory), "reused": False, "write_s": round(time.perf_counter() - t, 1),
+                       "init_device": "cuda" if torch.cuda.is_available() else "cpu",
                        "gib": round(total / 2**30, 2), "spilled_to": str(spill) if spill else None,
                        "host_peak_gib_after_write": host_peak_gib()}
     return directory

@@ -233,3 +233,20 @@ def test_a_tokenizer_whose_pad_token_is_the_placeholder_sentinel_is_refused(tmp_
     with pytest.raises(SentinelError, match=r"\{'placeholder': 'pad'\}"):
         ModelBinding.for_spec(host, spec, "clip-tiny", "mlp2x_gelu")
     ModelBinding.for_spec(host, with_local_snapshot(spec, narrow["qwen3.5-4b"]), "clip-tiny", "mlp2x_gelu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (init_device='cuda')")
+def test_gpu_initialised_snapshot_has_the_cpu_writers_keys_shapes_and_init_scale(tmp_path, host):
+    """``init_device='cuda'`` (what real_size.py uses on the H200 to write 65 GiB in minutes) writes the same
+    layout as the CPU writer, with weights drawn at the config's initializer_range, not left as empty memory."""
+    spec = host.get("models", "qwen3.6-35b-a3b")
+    write_model_snapshot(spec, tmp_path / "cpu", layers=4, width=128, dtype=torch.float32, max_shard_bytes=2**20)
+    write_model_snapshot(spec, tmp_path / "gpu", layers=4, width=128, dtype=torch.float32, max_shard_bytes=2**20,
+                         init_device="cuda")
+    cpu, gpu = _keys(tmp_path / "cpu"), _keys(tmp_path / "gpu")
+    assert cpu == gpu
+    std = json.loads((tmp_path / "gpu" / "config.json").read_text())["text_config"]["initializer_range"]
+    key = "model.language_model.layers.3.self_attn.q_proj.weight"
+    a, b = _tensor(tmp_path / "cpu", key), _tensor(tmp_path / "gpu", key)
+    assert a.shape == b.shape and not torch.equal(a, b)  # the devices' generators differ
+    assert abs(float(b.std()) - std) < 0.2 * std and abs(float(b.mean())) < 0.2 * std

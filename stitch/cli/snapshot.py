@@ -24,6 +24,8 @@ def snapshot(
     spill_dir: Path = typer.Option(None, "--spill-dir", help="Where shards go once --disk-budget-gib is reached "
                                                               "(e.g. /dev/shm); linked from --out."),
     disk_budget_gib: float = typer.Option(None, "--disk-budget-gib", help="Shard bytes to write under --out."),
+    init_device: str = typer.Option("cpu", "--init-device", help="Where weights are initialised: cpu, or cuda "
+                                                                  "(a 35B write is then disk-bound, not RNG-bound)."),
 ) -> None:
     """Write config.json, tokenizer and seeded random weights under the published key names, shard by shard (the
     host never holds the whole model), so `model: {name: MODEL, snapshot: OUT}` in a recipe trains offline."""
@@ -34,13 +36,18 @@ def snapshot(
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if init_device not in ("cpu", "cuda"):
+        raise ValueError(f"--init-device {init_device!r}: expected cpu or cuda")
+    if init_device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--init-device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
     if out is None and not plan:
         raise ValueError("--out DIR is required (or --plan to print the layout without writing)")
     spec = get_host().get("models", model)
     options = {"layers": layers, "width": width, "dtype": getattr(torch, dtype), "dry_run": plan,
                "max_shard_bytes": int(shard_gib * 2**30), "progress": lambda line: console.print(line, highlight=False),
                "spill_dir": spill_dir,
-               "disk_budget_bytes": None if disk_budget_gib is None else int(disk_budget_gib * 2**30)}
+               "disk_budget_bytes": None if disk_budget_gib is None else int(disk_budget_gib * 2**30),
+               "init_device": init_device}
     if plan:
         with tempfile.TemporaryDirectory(prefix="stitch-snapshot-plan-") as tmp:  # the tokenizer sets the ids
             write_model_snapshot(spec, Path(tmp), **options)

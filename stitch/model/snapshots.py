@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,14 +107,14 @@ class _Direct:
     def __init__(self, module: Any) -> None:
         self.module = module
 
-    def materialise(self) -> None:
+    def materialise(self, device: str = "cpu") -> None:
         import torch
 
         for name, param in list(self.module.named_parameters(recurse=False)):
-            setattr(self.module, name, torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+            setattr(self.module, name, torch.nn.Parameter(torch.empty_like(param, device=device),
                                                           requires_grad=param.requires_grad))
         for name, buf in list(self.module.named_buffers(recurse=False)):
-            self.module.register_buffer(name, torch.empty_like(buf, device="cpu"),
+            self.module.register_buffer(name, torch.empty_like(buf, device=device),
                                         persistent=name not in self.module._non_persistent_buffers_set)
 
     def modules(self) -> list[Any]:
@@ -162,7 +163,8 @@ def plan_shards(model: Any, saved_keys: set[str], rename: Callable[[str], str], 
 def write_random_weights(model: Any, out_dir: Path, *, rename: Callable[[str], str] = lambda k: k,
                          max_shard_bytes: int = 5 * 2**30, unit_budget: int = 4 * 2**30, seed: int = 0,
                          progress: Callable[[str], None] | None = None, dry_run: bool = False,
-                         spill_dir: Path | None = None, disk_budget_bytes: int | None = None) -> ShardPlan:
+                         spill_dir: Path | None = None, disk_budget_bytes: int | None = None,
+                         init_device: str = "cpu") -> ShardPlan:
     """Write seeded random-init weights of ``model`` (built on the meta device, in the dtype to write) as
     safetensors shards plus ``model.safetensors.index.json``, one unit at a time: at most one shard and one unit
     are ever in host memory, so a 35B model writes on a host far smaller than its checkpoint.
@@ -172,9 +174,12 @@ def write_random_weights(model: Any, out_dir: Path, *, rename: Callable[[str], s
     ``dry_run``: only plan (file names, keys, bytes) and report it through ``progress``; nothing is written.
     ``spill_dir`` + ``disk_budget_bytes``: once ``out_dir``'s shards reach the budget, the rest are written to
     ``spill_dir`` (e.g. /dev/shm beside a small disk) and linked from ``out_dir``, which stays one snapshot.
+    ``init_device``: where each unit is materialised and initialised ("cuda" makes a 35B write disk-bound instead of
+    bound by the host's random-number generation); the seed fixes the values for one device kind, and the values
+    differ between devices (their generators differ). Each shard is written by a background thread while the next
+    is initialised, so at most two shards are in host memory.
     """
     import torch
-    from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
     out_dir = Path(out_dir)
@@ -190,47 +195,63 @@ def write_random_weights(model: Any, out_dir: Path, *, rename: Callable[[str], s
     by_prefix = dict(units)
     owners = _owners(model)
     on_disk = 0
-    torch.manual_seed(seed)
-    for file_name, prefixes in plan.files:
-        shard: dict[str, torch.Tensor] = {}
-        for prefix in prefixes:
-            unit = by_prefix[prefix]
-            if isinstance(unit, _Direct):
-                unit.materialise()
+    torch.manual_seed(seed)  # seeds every device's generator
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
+        pending: Future | None = None
+        for file_name, prefixes in plan.files:
+            shard: dict[str, torch.Tensor] = {}
+            for prefix in prefixes:
+                unit = by_prefix[prefix]
+                if isinstance(unit, _Direct):
+                    unit.materialise(init_device)
+                else:
+                    unit.to_empty(device=init_device)
+                for module in unit.modules():
+                    owners[module]._init_weights(module)
+                state = {prefix + k: v for k, v in unit.state_dict().items() if prefix + k in saved}
+                for key, tensor in revert_weight_conversion(model, state).items():
+                    shard[rename(key)] = tensor.contiguous().to("cpu")
+                unit.to("meta")  # free the unit; the shard keeps its own (reverted) tensors
+            missing = [k for k, f in plan.weight_map.items() if f == file_name and k not in shard]
+            if missing:
+                raise RuntimeError(f"{file_name}: planned keys were not written: {missing[:5]}")
+            size = sum(t.numel() * t.element_size() for t in shard.values())
+            home = out_dir
+            if spill_dir is not None and disk_budget_bytes is not None and on_disk + size > disk_budget_bytes:
+                home = Path(spill_dir)
+                home.mkdir(parents=True, exist_ok=True)
             else:
-                unit.to_empty(device="cpu")
-            for module in unit.modules():
-                owners[module]._init_weights(module)
-            state = {prefix + k: v for k, v in unit.state_dict().items() if prefix + k in saved}
-            for key, tensor in revert_weight_conversion(model, state).items():
-                shard[rename(key)] = tensor.contiguous()
-            unit.to("meta")  # free the unit; the shard keeps its own (reverted) tensors
-        missing = [k for k, f in plan.weight_map.items() if f == file_name and k not in shard]
-        if missing:
-            raise RuntimeError(f"{file_name}: planned keys were not written: {missing[:5]}")
-        size = sum(t.numel() * t.element_size() for t in shard.values())
-        home = out_dir
-        if spill_dir is not None and disk_budget_bytes is not None and on_disk + size > disk_budget_bytes:
-            home = Path(spill_dir)
-            home.mkdir(parents=True, exist_ok=True)
-        else:
-            on_disk += size
-        tmp = home / f".{file_name}.partial"
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, home / file_name)
-        if home != out_dir:
-            link = out_dir / file_name
-            link.unlink(missing_ok=True)
-            link.symlink_to((home / file_name).resolve())
-        if progress is not None:
-            progress(f"{file_name}: {len(shard)} tensors, {size / 2**30:.2f} GiB" + (f" (in {home})" if home != out_dir
-                                                                                       else ""))
-        del shard
-        _release_freed_memory()
+                on_disk += size
+            if pending is not None:
+                pending.result()  # at most one shard waits for the disk while the next is initialised
+            pending = writer.submit(_write_shard, shard, file_name, home, out_dir, progress)
+            del shard
+        if pending is not None:
+            pending.result()
     index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(plan.weight_map.items()))}
     if len(plan.files) > 1:
         _write_json(out_dir / "model.safetensors.index.json", index)
     return plan
+
+
+def _write_shard(shard: dict[str, Any], file_name: str, home: Path, out_dir: Path,
+                 progress: Callable[[str], None] | None) -> None:
+    """One shard to ``home`` atomically (a partial file renamed into place), linked from ``out_dir`` if elsewhere."""
+    from safetensors.torch import save_file
+
+    size = sum(t.numel() * t.element_size() for t in shard.values())
+    tmp = home / f".{file_name}.partial"
+    save_file(shard, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, home / file_name)
+    if home != out_dir:
+        link = out_dir / file_name
+        link.unlink(missing_ok=True)
+        link.symlink_to((home / file_name).resolve())
+    if progress is not None:
+        progress(f"{file_name}: {len(shard)} tensors, {size / 2**30:.2f} GiB" + (f" (in {home})" if home != out_dir
+                                                                                   else ""))
+    shard.clear()
+    _release_freed_memory()
 
 
 def _release_freed_memory() -> None:
