@@ -18,6 +18,12 @@ uniform random, the last two thirds of the text labelled):
                      bf16 CLIP ViT-B/32 tower (sdpa, real config, random init) run on the raw pixel batch every
                      step (penultimate layer, 49 patch tokens), then the same projector/scatter/LM.
                      Image decode/resize is NOT charged to it (a dataloader would overlap it).
+* ``llava``          the LLaVA-style trainer as peers ship it: ``baseline``'s padded batches and CLIP in the loop,
+                     with stock transformers + peft for the LM (``stock_transformers``: sdpa with the padding
+                     mask, peft's fp32 LoRA compute, transformers' own norms / MLP / RoPE) and transformers' own
+                     loss (``lm(inputs_embeds, attention_mask, labels).loss``: full-vocabulary logits upcast to
+                     fp32). ``baseline`` differs from it only in using stitch's kernels, so the two split stitch's
+                     gain into what its kernels give and what packing + the feature cache give.
 * ``cached_padded``  the same padded batches, features read from the cache (isolates the encoder's cost).
                      This is what stitch runs for models whose ModelSpec says ``supports_packing=False``.
 * ``packed``         stitch: cached features, ``--rows`` packs of ``--budget`` tokens per step.
@@ -27,7 +33,7 @@ uniform random, the last two thirds of the text labelled):
                      tokens, ``lm(inputs_embeds=..., labels=...)`` with ``--attn`` (sdpa), every token labelled.
                      The speed the model reaches on the same number of tokens with no packing at all.
 
-Every run prints and writes stitch ÷ stock and stitch ÷ baseline (``ratio_stitch_as_shipped_vs_*``), and
+Every run prints and writes stitch ÷ stock, ÷ baseline and ÷ llava (``ratio_stitch_as_shipped_vs_*``), and
 ``model.packing_parity``: one packed row's loss against the same samples one per padded row, plus a leaky control
 (the same packed row with the sample starts dropped), which must differ.
 
@@ -61,6 +67,7 @@ Command (on the H200 machine, repo root):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import random
@@ -352,7 +359,9 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
     from stitch.data.packing import PackedStream, collate_packs
 
     pad_id = 0
-    clip = clip_tower(device, args.smoke) if mode == "baseline" else None
+    clip = clip_tower(device, args.smoke) if mode in ("baseline", "llava") else None
+    stock = stock_transformers(model, args.attn) if mode == "llava" else contextlib.nullcontext("as shipped")
+    lora_compute = stock.__enter__()
     if mode == "packed":
         tmp = Path(tempfile.mkdtemp(prefix="stitch-bench-"))
         stream = PackedStream(
@@ -395,34 +404,43 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
             pix = pixels[idx].to(device, non_blocking=True).to(torch.bfloat16)
             batch.features = clip_features(clip, pix, args.smoke)
         batch = batch.to(device)
-        loss, n_labels = model.loss(batch)
+        if mode == "llava":  # transformers computes the loss: full-vocabulary logits, upcast to fp32
+            embeds = model.embed(batch.input_ids, batch.features, batch.row_ids)
+            loss = model.lm(inputs_embeds=embeds, attention_mask=batch.attention_mask, labels=batch.labels,
+                            use_cache=False).loss
+            n_labels = int((batch.labels[:, 1:] != -100).sum())
+        else:
+            loss, n_labels = model.loss(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         optimizer.step()
         return batch, group, loss, n_labels
 
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        batch, group, loss, n_labels = one_step()
-        sync()
-        dt = time.perf_counter() - t0
-        if step < args.warmup:
-            warm.append(round(dt, 3))
-        else:
-            steps += 1
-            times.append(dt)
-            real += batch.tokens
-            padded += batch.input_ids.numel()
-            sq += sum(len(s) ** 2 for s in group)
-            labels += n_labels
-            n_samples += len(group)
+    try:
+        for step in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            batch, group, loss, n_labels = one_step()
+            sync()
+            dt = time.perf_counter() - t0
+            if step < args.warmup:
+                warm.append(round(dt, 3))
+            else:
+                steps += 1
+                times.append(dt)
+                real += batch.tokens
+                padded += batch.input_ids.numel()
+                sq += sum(len(s) ** 2 for s in group)
+                labels += n_labels
+                n_samples += len(group)
+        profile = (
+            profile_steps(one_step, args.profile)
+            if args.profile and mode in args.profile_modes.split(",")
+            else None
+        )
+    finally:
+        stock.__exit__(None, None, None)
     total = sum(times)
-    profile = (
-        profile_steps(one_step, args.profile)
-        if args.profile and mode in args.profile_modes.split(",")
-        else None
-    )
     tokens_per_s = real / total
     flops_6n = 6 * info["params_matmul_N"] * real
     flops_attn = 6 * info["attention_layers"] * info["attn_width"] * sq
@@ -441,6 +459,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         "mfu_model": round((flops_6n + flops_attn) / total / H200_BF16_DENSE_PEAK, 4),
         "peak_gib": peak_gib(),
         "last_loss": round(float(loss.detach()), 4),
+        "lora_compute": lora_compute,
         "warmup_step_s": warm,
         "step_s": [round(t, 4) for t in times],
     }
@@ -456,25 +475,39 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
     return result
 
 
-def run_stock(model, optimizer, groups, args, info, device) -> dict:
-    """Plain transformers on the same LM and LoRA: one causal row of ``--budget`` tokens per step (``--rows`` rows),
-    ``lm(inputs_embeds=..., labels=...)`` with the attention implementation the LM was built with, then the same
-    clip + AdamW. No projector, no packing: the reference speed for the same number of tokens."""
+@contextlib.contextmanager
+def stock_transformers(model, attn: str):
+    """The LM as stock transformers + peft run it, for the duration: ``attn`` attention (stitch switched it to
+    stitch_varlen), peft's own adapter compute (fp32 LoRA weights, activations cast to them) in place of
+    StitchedModel's half-compute LoRA, transformers' own RMSNorm / MLP / RoPE in place of stitch_qwen's fused
+    kernels. Yields a description of the LoRA compute; everything is switched back on exit."""
     from stitch.model.precision import HalfComputeLinear, lora_in_half_compute, restore_peft_lora
+    from stitch_qwen.kernels import restore_reference_kernels, use_fused_kernels
 
     lm = model.lm
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     shipped_attn = base.config._attn_implementation
-    base.set_attn_implementation(args.attn)  # stitch switched it to stitch_varlen; stock runs what it was built with
-    # and peft's own adapter compute (fp32 LoRA weights, activations cast to them), which StitchedModel replaced
+    base.set_attn_implementation(attn)
     swapped = [m for m in lm.modules() if isinstance(m, HalfComputeLinear)]
     casting = [m for m in lm.modules() if getattr(m, "cast_input_dtype_enabled", True) is False]
     restore_peft_lora(lm)
-    # and transformers' own RMSNorm / MLP / RoPE code in place of stitch_qwen's fused kernels
-    from stitch_qwen.kernels import restore_reference_kernels, use_fused_kernels
-
     fused = fused_kernel_counts(lm)["rms_norm"] > 0
     restore_reference_kernels(lm)
+    try:
+        yield "peft default (fp32 adapter weights)" if swapped or casting else "as built"
+    finally:
+        base.set_attn_implementation(shipped_attn)
+        if swapped:
+            lora_in_half_compute(lm)
+        if fused:
+            use_fused_kernels(lm)
+
+
+def run_stock(model, optimizer, groups, args, info, device) -> dict:
+    """Plain transformers on the same LM and LoRA: one causal row of ``--budget`` tokens per step (``--rows`` rows),
+    ``lm(inputs_embeds=..., labels=...)`` with the attention implementation the LM was built with, then the same
+    clip + AdamW. No projector, no packing: the reference speed for the same number of tokens."""
+    lm = model.lm
     gen = torch.Generator().manual_seed(1)
     vocab = info["vocab_size"]
     times, warm = [], []
@@ -492,7 +525,7 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
         return loss
 
     profile = None
-    try:
+    with stock_transformers(model, args.attn) as lora_compute:
         for step in range(args.warmup + args.steps):
             t0 = time.perf_counter()
             loss = one_step()
@@ -500,12 +533,6 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
             (warm if step < args.warmup else times).append(time.perf_counter() - t0)
         if args.profile and "stock" in args.profile_modes.split(","):
             profile = profile_steps(one_step, args.profile)
-    finally:
-        base.set_attn_implementation(shipped_attn)
-        if swapped:
-            lora_in_half_compute(lm)
-        if fused:
-            use_fused_kernels(lm)
     total, tokens = sum(times), args.rows * args.budget
     tokens_per_s = tokens * len(times) / total
     return {
@@ -524,7 +551,7 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
         "step_s": [round(t, 4) for t in times],
         "note": "transformers' own forward + loss on one causal row per step (no image tokens, every token "
                 "labelled), peft's own LoRA compute",
-        "lora_compute": "peft default (fp32 adapter weights)" if swapped or casting else "as built",
+        "lora_compute": lora_compute,
         "norm_mlp_rope": "transformers' own (stitch's fused kernels switched off for this mode)",
         **({"profile": profile} if profile else {}),
     }
@@ -660,6 +687,13 @@ def summarize(info: dict, modes: dict) -> dict:
         }
         if modes.get(shipped, {}).get("tokens_per_s"):
             out["ratio_stitch_as_shipped_vs_baseline"] = round(modes[shipped]["tokens_per_s"] / base, 3)
+    llava = modes.get("llava", {}).get("tokens_per_s")
+    if llava:
+        out["ratios_vs_llava"] = {
+            m: round(r["tokens_per_s"] / llava, 3) for m, r in modes.items() if r.get("tokens_per_s")
+        }
+        if modes.get(shipped, {}).get("tokens_per_s"):
+            out["ratio_stitch_as_shipped_vs_llava"] = round(modes[shipped]["tokens_per_s"] / llava, 3)
     stock = modes.get("stock", {}).get("tokens_per_s")
     if stock:
         out["ratios_vs_stock"] = {
@@ -673,7 +707,7 @@ def summarize(info: dict, modes: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="dense4b,qwen35_4b")
-    ap.add_argument("--modes", default="packed,cached_padded,baseline,stock")
+    ap.add_argument("--modes", default="packed,cached_padded,baseline,llava,stock")
     ap.add_argument("--budget", type=int, default=4096, help="tokens per pack")
     ap.add_argument("--rows", type=int, default=1, help="packs per step")
     ap.add_argument("--baseline-batch", type=int, default=16, help="samples per padded step")
@@ -726,7 +760,8 @@ def main() -> None:
         result = run_shape(shape, args, host, device, save)
         shipped = result["stitch_as_shipped_mode"]
         log(f"{shape}: stitch ({shipped}) / stock = {result.get('ratio_stitch_as_shipped_vs_stock')}, "
-            f"stitch / baseline = {result.get('ratio_stitch_as_shipped_vs_baseline')}")
+            f"stitch / baseline = {result.get('ratio_stitch_as_shipped_vs_baseline')}, "
+            f"stitch / llava = {result.get('ratio_stitch_as_shipped_vs_llava')}")
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
