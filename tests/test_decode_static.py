@@ -167,3 +167,42 @@ def test_grouped_decode_attention_equals_sdpa_over_repeated_kv_heads_under_a_key
     out = grouped_decode_attention(q, k, v, mask, 0.3)
     assert out.shape == (rows, 1, heads, dim)
     assert torch.allclose(out, reference.transpose(1, 2), atol=1e-6, rtol=0)
+
+
+def test_rollout_folds_every_lora_layer_and_refolds_after_the_adapter_changes():
+    """The decoder runs each LoRA layer on W + sBA; an optimizer step between rollouts must reach the next one:
+    after the adapter changes in place, the fixed-cache tokens equal generate's on the new weights again."""
+    lm = tiny_lm("qwen3")
+    fast, stock = engines(lm)
+    assert len(fast.decoder.merged.layers) == 4  # q_proj and v_proj of both layers
+    base_before = {n: p.clone() for n, p in lm.named_parameters() if "base_layer" in n}
+    embeds = prompts(lm)
+    first = fast.generate(embeds, 1, 12, greedy=True)
+    assert [c.token_ids for c in first] == [c.token_ids for c in stock.generate(embeds, 1, 12, greedy=True)]
+    with torch.no_grad():  # what AdamW does to the adapter between two GRPO steps
+        for name, p in lm.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 2.0)
+    second = fast.generate(embeds, 1, 12, greedy=True)
+    theirs = stock.generate(embeds, 1, 12, greedy=True)
+    assert [c.token_ids for c in second] == [c.token_ids for c in theirs]
+    assert [c.token_ids for c in second] != [c.token_ids for c in first]
+    for a, b in zip(second, theirs, strict=True):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert all(torch.equal(p, base_before[n]) for n, p in lm.named_parameters() if "base_layer" in n)
+    assert all(type(m).__name__.startswith("Merged") is False for m in fast.decoder.merged.layers)
+
+
+def test_bf16_rollout_on_merged_weights_matches_the_unmerged_adapter_within_bf16_rounding():
+    """In bf16 the LoRA layers are stitch's one-node half-compute layers; folded, they give the log-probs of the
+    unfolded path to bf16 rounding (the folded weight is rounded once to bf16)."""
+    lm = tiny_lm("qwen3", dtype=torch.bfloat16)
+    merged = EmbeddedEngine(lm, pad_id=PAD, eos_id=3, suppress_ids=SUPPRESS)
+    plain = EmbeddedEngine(lm, pad_id=PAD, eos_id=3, suppress_ids=SUPPRESS)
+    plain.decoder = decode.StaticDecoder(lm, merge_adapters=False)
+    assert len(merged.decoder.merged.layers) == 4
+    embeds = prompts(lm)
+    ours, theirs = merged.generate(embeds, 1, 6, greedy=True), plain.generate(embeds, 1, 6, greedy=True)
+    assert ours[0].token_ids[0] == theirs[0].token_ids[0]
+    firsts = torch.tensor([c.logprobs[0] for c in ours]), torch.tensor([c.logprobs[0] for c in theirs])
+    assert torch.allclose(*firsts, atol=0.05, rtol=0)

@@ -7,16 +7,24 @@ cache is preallocated (``SlotKVCache``), the mask is a boolean buffer updated in
 step is one graph replay. Models qualify when every decoder layer is full attention that writes through
 ``past_key_values.update`` and reads a prepared mask dict (``static_decode_unsupported`` says why not otherwise);
 the others keep ``generate``.
+
+A LoRA layer costs a decode step several small kernels (casts, two rank-r products, the scaled add) for a
+product that is ~1 % of its base GEMM: during a rollout the adapter is folded into a copy of each plain LoRA layer's
+weight (``MergedAdapters``: W + s B A, in W's dtype, refreshed in place before every rollout, so captured graphs stay
+valid), as vLLM serves a merged checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger("stitch")
 
@@ -47,6 +55,68 @@ def static_decode_unsupported(lm: torch.nn.Module) -> str | None:
     if attn not in ATTENTION:
         return f"attention {attn!r}: the fixed-cache decoder hands a boolean mask to sdpa"
     return None
+
+
+def _plain_lora_layer(module: torch.nn.Module) -> bool:
+    """A peft LoRA ``Linear`` whose output is exactly ``base(x) + s B(A(x))`` with one active adapter (no dropout
+    in eval, no DoRA or other variant, not merged, no transposed base weight)."""
+    lora_a = getattr(module, "lora_A", None)
+    names = getattr(module, "active_adapters", None)
+    base = getattr(module, "base_layer", None)
+    if not isinstance(lora_a, torch.nn.ModuleDict) or not names or len(names) != 1 or not isinstance(base, torch.nn.Linear):
+        return False
+    name = names[0]
+    return (name in lora_a and name in module.lora_B and not module.disable_adapters and not module.merged
+            and name not in getattr(module, "lora_variant", {}) and not getattr(module, "fan_in_fan_out", False)
+            and (not module.training or isinstance(module.lora_dropout[name], torch.nn.Identity))
+            and isinstance(lora_a[name], torch.nn.Linear) and lora_a[name].bias is None
+            and module.lora_B[name].bias is None)
+
+
+def _merged_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    bias = self.base_layer.bias
+    return F.linear(x, self._rollout_weight, None if bias is None else bias.to(x.dtype))
+
+
+@functools.cache
+def _merged_class(cls: type) -> type:
+    return type(f"Merged{cls.__name__}", (cls,), {"forward": _merged_forward})
+
+
+class MergedAdapters:
+    """Rollout copies of ``lm``'s plain LoRA layers with the adapter folded in: ``W + s B A`` computed in fp32 and
+    stored in the base weight's dtype, in buffers allocated once (their addresses are what a captured graph reads)
+    and overwritten by ``refresh`` before each rollout. Inside ``active()`` those layers compute one GEMM on their
+    merged weight; the trainer's weights and the adapter are never modified."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        self.layers = [m for m in lm.modules() if _plain_lora_layer(m)]
+        self.weights: dict[torch.nn.Module, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for module in self.layers:
+            name = module.active_adapters[0]
+            base = module.base_layer.weight
+            a, b = module.lora_A[name].weight, module.lora_B[name].weight
+            merged = torch.addmm(base.float(), b.float(), a.float(), alpha=module.scaling[name])
+            buffer = self.weights.get(module)
+            if buffer is None:
+                buffer = self.weights[module] = torch.empty_like(base)
+            buffer.copy_(merged)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        layers = [m for m in self.layers if _plain_lora_layer(m)]  # a layer changed since: it runs as it is
+        for module in layers:
+            module._rollout_weight = self.weights[module]
+            module.__class__ = _merged_class(type(module))
+        try:
+            yield
+        finally:
+            for module in layers:
+                module.__class__ = type(module).__mro__[1]
+                del module._rollout_weight
 
 
 class SlotKVCache:
@@ -167,10 +237,11 @@ class StaticDecoder:
     ``GRAPHS_KEPT`` steps stay allocated between calls (their KV cache: 2.25 GiB for 64 rows x 256 slots of the dense
     4B shape), and a parameter replaced by a new tensor (not updated in place) makes a new graph."""
 
-    def __init__(self, lm: torch.nn.Module, use_graphs: bool | None = None) -> None:
+    def __init__(self, lm: torch.nn.Module, use_graphs: bool | None = None, merge_adapters: bool = True) -> None:
         self.lm = causal_lm(lm)
         self.use_graphs = use_graphs
         self._steps: dict[tuple, DecodeStep] = {}
+        self.merged = MergedAdapters(lm) if merge_adapters else None
 
     def _weights_key(self) -> int:
         # a graph reads parameters at the addresses it was captured with: a replaced tensor means a new graph
@@ -180,7 +251,8 @@ class StaticDecoder:
         rows = prompt_cache.keys[0].shape[0] * rows_each
         device = prompt_cache.slots.device
         graphs = device.type == "cuda" if self.use_graphs is None else self.use_graphs
-        key = (rows, length, device, graphs, self.lm.training, self._weights_key())
+        merged = tuple(type(m).forward is _merged_forward for m in self.merged.layers) if self.merged else ()
+        key = (rows, length, device, graphs, self.lm.training, self._weights_key(), merged)
         step = self._steps.pop(key, None)
         if step is None:
             while len(self._steps) >= GRAPHS_KEPT:
@@ -201,7 +273,18 @@ class StaticDecoder:
         Sampling follows ``generate``: suppressed ids at -inf, divided by the temperature, one multinomial draw per
         row per step (finished rows too) from the fp32 softmax; greedy takes the argmax. Decoding stops once every
         row has sampled EOS (checked every ``stop_check_every`` steps: each check waits for the device; the steps
-        past the stop are dropped)."""
+        past the stop are dropped). LoRA layers run on their merged rollout weights (``MergedAdapters``)."""
+        if self.merged is None or not self.merged.layers:
+            return self._decode(embeds, mask, n, max_new_tokens, eos_id, pad_id, suppress_ids, temperature, greedy,
+                                stop_check_every)
+        self.merged.refresh()
+        with self.merged.active():
+            return self._decode(embeds, mask, n, max_new_tokens, eos_id, pad_id, suppress_ids, temperature, greedy,
+                                stop_check_every)
+
+    def _decode(self, embeds: torch.Tensor, mask: torch.Tensor, n: int, max_new_tokens: int, eos_id: int,
+                pad_id: int, suppress_ids: Sequence[int], temperature: float, greedy: bool,
+                stop_check_every: int | None) -> Decoded:
         prompts, width = mask.shape
         device = embeds.device
         check_every = stop_check_every or (8 if device.type == "cuda" else 1)
