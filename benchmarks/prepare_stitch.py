@@ -110,18 +110,17 @@ def _photo_jpeg(seed: int, smoke: bool) -> bytes:
     return buf.getvalue()
 
 
-def _write_jpegs(job: tuple[str, int, int, int, bool]) -> int:
-    folder, start, stop, unique, smoke = job
-    bases = {}
+def _write_jpegs(job: tuple[str, int, int, int, int, bool]) -> int:
+    """Contents ``first..last-1``, each encoded once and written as every file ``i`` with ``i % unique`` equal."""
+    folder, first, last, n, unique, smoke = job
     total = 0
-    for i in range(start, stop):
-        base = bases.get(i % unique)
-        if base is None:
-            base = bases[i % unique] = _photo_jpeg(i % unique, smoke)
-        text = f"stitch-bench {i}".encode()
-        data = base[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + base[2:]  # SOI, COM, rest
-        Path(folder, f"{i:07d}.jpg").write_bytes(data)
-        total += len(data)
+    for content in range(first, last):
+        base = _photo_jpeg(content, smoke)
+        for i in range(content, n, unique):
+            text = f"stitch-bench {i}".encode()
+            data = base[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + base[2:]  # SOI, COM, rest
+            Path(folder, f"{i:07d}.jpg").write_bytes(data)
+            total += len(data)
     return total
 
 
@@ -131,9 +130,9 @@ def make_dataset(root: Path, n: int, unique: int, workers: int, smoke: bool) -> 
     shutil.rmtree(root, ignore_errors=True)
     (root / "imgs").mkdir(parents=True)
     t0 = time.perf_counter()
-    # each job owns a contiguous range, so a base image is encoded once per job that needs it
-    step = max(1, -(-n // (workers * 4)))
-    jobs = [(str(root / "imgs"), s, min(n, s + step), unique, smoke) for s in range(0, n, step)]
+    unique = min(unique, n)
+    step = max(1, -(-unique // (workers * 2)))
+    jobs = [(str(root / "imgs"), s, min(unique, s + step), n, unique, smoke) for s in range(0, unique, step)]
     with mp.get_context("fork").Pool(workers) as pool:
         total = sum(pool.map(_write_jpegs, jobs))
     with open(root / "rows.jsonl", "w") as fh:
@@ -290,6 +289,8 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                                      "note": "processor pixels precomputed (host float32 -> device), eager, full tower"}
         for name in chosen:
             mode = variants[name]
+            if mode not in (None, "channels_last") and batch not in args.compile_batches:
+                continue
             encoder = spec.load(spec.source, device, dtype)
             if mode == "channels_last":
                 encoder.model = encoder.model.to(memory_format=torch.channels_last)
@@ -323,8 +324,10 @@ def main() -> None:
     ap.add_argument("--encode-batch", type=int, default=1024, help="data.encode_batch_size")
     ap.add_argument("--shard-rows", type=int, default=2048, help="data.shard_rows")
     ap.add_argument("--batches", default="1024,2048,4096", help="encode-only batch sizes")
-    ap.add_argument("--variants", default="stitch_eager,stitch_compile,stitch_reduce_overhead,stitch_max_autotune,"
-                                          "stitch_channels_last")
+    ap.add_argument("--variants", default="stitch_eager,stitch_compile,stitch_reduce_overhead,stitch_channels_last",
+                    help="also: stitch_max_autotune (several minutes of autotuning)")
+    ap.add_argument("--compile-batches", default="2048", help="batches at which compiled variants run (each "
+                                                                "compile costs tens of seconds)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--check-images", type=int, default=64, help="distinct images compared against stock")
@@ -340,9 +343,10 @@ def main() -> None:
     if args.smoke:
         args.images, args.unique, args.encode_batch, args.shard_rows = 48, 8, 8, 16
         args.batches, args.iters, args.warmup, args.check_images = "8", 1, 1, 8
-        args.variants = "stitch_eager,stitch_channels_last"
+        args.variants, args.compile_batches = "stitch_eager,stitch_channels_last", "8"
         args.workers = 2 if args.workers is None else args.workers
     args.batches = [int(b) for b in str(args.batches).split(",")]
+    args.compile_batches = [int(b) for b in str(args.compile_batches).split(",")]
     os.environ.setdefault("STITCH_CACHE", str(Path(args.scratch) / "stitch-cache"))  # the built snapshots
     log(f"device {device}; torch {torch.__version__}")
     host, spec = bench_host(args.smoke)
