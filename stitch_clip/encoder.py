@@ -22,26 +22,36 @@ DEMO_FEATURE_WIDTH = 256
 DEMO_PAYLOAD = "clip_image_demo"
 
 
-def decode_image(value: Any) -> Any:
-    """A PIL RGB image from a PIL image, bytes, a ``{"bytes", "path"}`` dict (datasets' Image) or a path."""
+def _open_image(value: Any) -> Any:
+    """A lazily opened PIL image from bytes, a ``{"bytes", "path"}`` dict (datasets' Image) or a path."""
+    from PIL import Image
+
+    if isinstance(value, dict):  # bytes win; the path is only opened when there are none
+        found = value["bytes"] if value.get("bytes") is not None else value.get("path")
+        if not found:
+            raise ValueError("image dict has neither 'bytes' nor 'path'")
+        value = found
+    if isinstance(value, bytes | bytearray):
+        return Image.open(io.BytesIO(value))
+    if isinstance(value, str | Path):
+        return Image.open(value)
+    raise ValueError(f"expected an image, bytes or a path, got {type(value).__name__}")
+
+
+def decode_image(value: Any, min_short_side: int | None = None) -> Any:
+    """A PIL RGB image from a PIL image, bytes, a ``{"bytes", "path"}`` dict (datasets' Image) or a path.
+
+    ``min_short_side``: a JPEG may decode at a reduced DCT scale (1/2, 1/4, 1/8: PIL's ``draft``), the smallest
+    that still leaves its short side at least this long; the caller then resizes down to it anyway."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     try:
-        if isinstance(value, dict):
-            if value.get("bytes") is not None:
-                value = value["bytes"]
-            elif value.get("path"):
-                value = value["path"]
-            else:
-                raise ValueError("image dict has neither 'bytes' nor 'path'")
-        if isinstance(value, bytes | bytearray):
-            image = Image.open(io.BytesIO(value))
-        elif isinstance(value, str | Path):
-            image = Image.open(value)
-        else:
-            raise ValueError(f"expected an image, bytes or a path, got {type(value).__name__}")
+        image = _open_image(value)
+        if min_short_side is not None and image.format == "JPEG":
+            # PIL picks scale = min(w // s, h // s) in {8, 4, 2, 1}: both sides stay >= s
+            image.draft("RGB", (min_short_side, min_short_side))
         image.load()
         # a camera's EXIF orientation says how to turn the stored pixels upright; CLIP must see them upright
         return ImageOps.exif_transpose(image).convert("RGB")
@@ -87,8 +97,60 @@ class ClipPixels:
         return (pixels * self.scale - self.mean) / self.std
 
 
+class ClipGeometry:
+    """CLIPImageProcessor's geometry on uint8, for prepare's worker processes: decode (a JPEG at the smallest DCT
+    scale that keeps its short side >= ``shortest_edge``), bicubic resize of the short side to ``shortest_edge``
+    (long side ``int(edge * long / short)``, the processor's rule), centre crop; a ``uint8 [3, H, W]`` tensor.
+    Rescale and normalisation happen on the encoder's device (``ClipImageEncoder.encode`` of a uint8 batch)."""
+
+    identity = "clip-uint8-draft/1"
+
+    def __init__(self, shortest_edge: int, crop: tuple[int, int], resample: int) -> None:
+        self.shortest_edge, self.crop, self.resample = shortest_edge, crop, resample  # crop: (height, width)
+
+    def __call__(self, value: Any) -> torch.Tensor:
+        import numpy as np
+
+        image = decode_image(value, min_short_side=self.shortest_edge)
+        w, h = image.size
+        edge = self.shortest_edge
+        size = (edge, int(edge * h / w)) if w <= h else (int(edge * w / h), edge)
+        if size != (w, h):
+            image = image.resize(size, resample=self.resample)
+        (ch, cw), (w, h) = self.crop, size
+        top, left = (h - ch) // 2, (w - cw) // 2
+        image = image.crop((left, top, left + cw, top + ch))
+        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+
+
+def clip_geometry(processor: Any) -> ClipGeometry | None:
+    """The processor's preprocessing as a ``ClipGeometry``, or None where it is not the shortest-edge resize +
+    centre crop + rescale + normalise of CLIP (then prepare decodes in workers and the processor runs as before)."""
+    size, crop = dict(processor.size or {}), dict(processor.crop_size or {})
+    edge = size.get("shortest_edge")
+    standard = (
+        processor.do_resize and processor.do_center_crop and processor.do_rescale and processor.do_normalize
+        and getattr(processor, "do_convert_rgb", True) in (True, None)
+        and set(k for k, v in size.items() if v is not None) == {"shortest_edge"} and edge
+        and crop.get("height") and crop.get("width") and crop["height"] <= edge and crop["width"] <= edge
+    )
+    if not standard:
+        return None
+    return ClipGeometry(int(edge), (int(crop["height"]), int(crop["width"])), int(processor.resample))
+
+
+def load_clip_preprocess(source: ModelSource) -> ClipGeometry | None:
+    """The snapshot's preprocessing for prepare's workers; reads only its processor config, never the weights."""
+    from transformers import CLIPImageProcessor
+
+    return clip_geometry(CLIPImageProcessor.from_pretrained(**source.pretrained_kwargs()))
+
+
 class ClipImageEncoder:
-    """Frozen CLIPVisionModel + CLIPImageProcessor; ``encode`` returns [B, 49, width] (768 for ViT-B/32)."""
+    """Frozen CLIPVisionModel + CLIPImageProcessor; ``encode`` returns [B, 49, width] (768 for ViT-B/32).
+
+    ``encode`` takes decoded images (the processor runs) or a uint8 batch [B, 3, H, W] that ``ClipGeometry``
+    made: that is copied to the device as uint8 (a quarter of float32's bytes) and rescaled + normalised there."""
 
     def __init__(self, model: Any, processor: Any, device: torch.device, dtype: torch.dtype,
                  feature_width: int = FEATURE_WIDTH) -> None:
@@ -99,12 +161,33 @@ class ClipImageEncoder:
         self.device = device
         self.dtype = dtype
         self.feature_width = feature_width
+        self.scale = self.pixels.scale
+        self.mean, self.std = self.pixels.mean.to(device), self.pixels.std.to(device)
+        self._tower = self._patches
+        self.compiled_batch: int | None = None
+
+    def _patches(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixels).last_hidden_state[:, 1:, :]
+
+    def compile(self, batch_size: int) -> None:
+        """``torch.compile`` the tower for batches of ``batch_size`` (smaller ones are padded to it: one graph,
+        no recompiles at shard or partition ends)."""
+        self._tower = torch.compile(self._patches, dynamic=False)
+        self.compiled_batch = batch_size
+
+    def normalise(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 [B, 3, H, W] -> the tower's input on its device: ``(x * rescale - mean) / std`` in float32 (the
+        processor's arithmetic), then the tower's dtype."""
+        x = pixels.to(self.device, non_blocking=True).to(torch.float32)
+        return ((x * self.scale - self.mean) / self.std).to(self.dtype)
 
     @torch.no_grad()  # not inference_mode: its tensors could not flow into a trainable projector
-    def encode(self, items: list[Any]) -> torch.Tensor:
-        pixels = self.pixels(items)
-        out = self.model(pixel_values=pixels.to(self.device, self.dtype))
-        patches = out.last_hidden_state[:, 1:, :]
+    def encode(self, items: list[Any] | torch.Tensor) -> torch.Tensor:
+        if isinstance(items, torch.Tensor) and items.dtype == torch.uint8:
+            pixels = self.normalise(items)
+        else:
+            pixels = self.pixels(items).to(self.device, self.dtype)
+        patches = self._run(pixels)
         if tuple(patches.shape[1:]) != (TOKENS_PER_ITEM, self.feature_width):
             raise ValueError(
                 f"CLIP snapshot produced features {tuple(patches.shape[1:])}; this encoder declares "
@@ -112,13 +195,27 @@ class ClipImageEncoder:
             )
         return patches
 
+    def _run(self, pixels: torch.Tensor) -> torch.Tensor:
+        step = self.compiled_batch
+        if step is None:
+            return self._tower(pixels)
+        out = []
+        for start in range(0, pixels.shape[0], step):
+            chunk = pixels[start : start + step]
+            n = chunk.shape[0]
+            if n < step:  # pad: every sample is computed independently, the padding rows are dropped
+                chunk = torch.cat([chunk, chunk.new_zeros((step - n, *chunk.shape[1:]))])
+            out.append(self._tower(chunk)[:n])
+        return torch.cat(out)
+
 
 def load_clip(source: ModelSource, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
               feature_width: int = FEATURE_WIDTH):
     from transformers import CLIPImageProcessor, CLIPVisionModel
 
     kwargs = source.pretrained_kwargs()
-    model = CLIPVisionModel.from_pretrained(**kwargs, use_safetensors=True)
+    # sdpa: the same features as eager attention (tests/test_prepare_fast.py), flash kernels on the GPU
+    model = CLIPVisionModel.from_pretrained(**kwargs, use_safetensors=True, attn_implementation="sdpa")
     processor = CLIPImageProcessor.from_pretrained(**kwargs)
     return ClipImageEncoder(model, processor, torch.device(device), dtype, feature_width)
 
@@ -159,6 +256,7 @@ CLIP_B32 = EncoderSpec(
     source=ModelSource(repo_id=CLIP_REPO, revision=CLIP_REVISION),
     load=load_clip,
     decode_item=decode_image,
+    load_preprocess=load_clip_preprocess,
     payload=PAYLOAD,
     description="OpenAI CLIP ViT-B/32 vision tower, penultimate-layer patch tokens",
 )
@@ -171,6 +269,7 @@ CLIP_TINY = EncoderSpec(
     source=ModelSource(builder=build_tiny_clip, builder_key="clip-tiny-v1"),
     load=load_clip,
     decode_item=decode_image,
+    load_preprocess=load_clip_preprocess,
     payload=PAYLOAD,
     description="random-init 2-layer CLIPVisionModel with ViT-B/32's 49 x 768 contract (tests)",
 )
@@ -188,6 +287,7 @@ CLIP_DEMO = EncoderSpec(
     source=ModelSource(builder=build_demo_clip, builder_key="clip-demo-v1"),
     load=load_demo_clip,
     decode_item=decode_image,
+    load_preprocess=load_clip_preprocess,
     payload=DEMO_PAYLOAD,
     description="random-init 2-layer CLIPVisionModel on ViT-B/32's 49-patch grid, 256 wide (the CPU demo)",
 )

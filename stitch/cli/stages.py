@@ -105,7 +105,8 @@ def prepare(
     overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
     recipe: str = typer.Option(..., "--recipe", help="A registered recipe name or a YAML path."),
     out: Path = typer.Option(None, "--out", help="Output directory (default runs/<recipe name>/data)."),
-    device: str = typer.Option("cpu", "--device", help="Where the encoder runs (cpu, cuda, cuda:1...)."),
+    device: str = typer.Option("auto", "--device", help="Where the encoder runs (auto: cuda when there is one; "
+                                                        "cpu, cuda, cuda:1...)."),
 ) -> None:
     """Stream the recipe's dataset, encode each row once, write feature-cache/ + manifest.jsonl."""
     from stitch.config.recipe import RecipeError
@@ -117,6 +118,10 @@ def prepare(
     try:
         loaded = _load(recipe, overrides)
         out = out or Path("runs") / loaded.name / "data"
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         report = run_prepare(loaded, out, device=device)
     except (RecipeError, PrepareError, FeatureCacheError, RegistryLookupError) as exc:
         console.print(f"[red]prepare failed:[/red] {exc}", highlight=False)

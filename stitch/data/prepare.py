@@ -21,7 +21,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,9 +119,21 @@ class _PendingRow:
     position: int
     partition: str
     messages: list[dict[str, str]]
-    media: list[Any]  # raw values (bytes / {bytes, path} / path); decoded again only if the shard is new
+    media: list[Any]  # decoded items (or the encoder's preprocessed tensors), encoded if the shard is new
     hashes: list[str]
     extra: dict[str, str] = field(default_factory=dict)  # task text columns, e.g. rejected
+
+
+@dataclass
+class _ScannedRow:
+    """A row as read from the stream, its text checked; its media are decoded in a worker meanwhile."""
+
+    id: str
+    position: int
+    error: InvalidRow | PrepareError | None = None  # raised when the run reaches this row, in stream order
+    messages: list[dict[str, str]] = field(default_factory=list)
+    extra: dict[str, str] = field(default_factory=dict)
+    values: list[Any] = field(default_factory=list)
 
 
 # -- streaming ------------------------------------------------------------------------------------------
@@ -424,12 +438,99 @@ class PromptCheck:
         return True
 
 
+# -- media: decoded in worker processes -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MediaDecoder:
+    """One row's raw media values -> (hashes, items): path normalised and confined, fingerprinted, decoded by the
+    encoder's ``decode_item`` or turned into a fixed-shape tensor by its ``preprocess``. Picklable: prepare's
+    worker processes run it; a bad value comes back as ``(kind, reason)``, never raised across processes."""
+
+    paths: MediaPaths
+    decode: Callable[[Any], Any]
+    preprocess: Callable[[Any], Any] | None = None
+
+    def row(self, values: list[Any]) -> tuple[list[str], list[Any]] | tuple[str, str]:
+        hashes, items = [], []
+        for value in values:
+            try:
+                value = self.paths.item(value)
+                items.append(self.preprocess(value) if self.preprocess else self.decode(value))
+                hashes.append(media_fingerprint(value))
+            except _BadMedia as exc:
+                return exc.kind, str(exc)
+            except (ValueError, OSError) as exc:
+                return "corrupt-media", f"corrupt media ({exc})"
+            except TypeError as exc:
+                return "media-type", str(exc)
+        return hashes, items
+
+    def rows(self, chunk: list[list[Any]]) -> tuple[list[Any], torch.Tensor | None]:
+        """Each row's result; with ``preprocess``, the rows' tensors are stacked into one (one shared-memory
+        transfer per chunk) and each good row holds its count instead of its items."""
+        results = [self.row(values) for values in chunk]
+        if self.preprocess is None:
+            return results, None
+        tensors = [t for r in results if isinstance(r[0], list) for t in r[1]]
+        stacked = torch.stack(tensors) if tensors else None
+        return [(r[0], len(r[1])) if isinstance(r[0], list) else r for r in results], stacked
+
+
+_WORKER_DECODER: MediaDecoder | None = None
+
+
+def _init_media_worker(decoder: MediaDecoder) -> None:
+    global _WORKER_DECODER
+    with contextlib.suppress(Exception):  # Linux: a killed run takes its workers with it (they would wait forever)
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    torch.set_num_threads(1)  # one decode per process; torch only stacks here
+    _WORKER_DECODER = decoder
+
+
+def _decode_chunk(chunk: list[list[Any]]) -> tuple[list[Any], torch.Tensor | None]:
+    assert _WORKER_DECODER is not None
+    return _WORKER_DECODER.rows(chunk)
+
+
+def _unstack(results: list[Any], stacked: torch.Tensor | None) -> list[Any]:
+    """``MediaDecoder.rows``' answer back to per-row ``(hashes, items)`` or ``(kind, reason)``."""
+    if stacked is None and not any(isinstance(r[1], int) for r in results):
+        return results
+    out, at = [], 0
+    for first, second in results:
+        if isinstance(first, list):
+            out.append((first, list(stacked[at : at + second]) if second else []))
+            at += second
+        else:
+            out.append((first, second))
+    return out
+
+
+def media_pool(workers: int, decoder: MediaDecoder) -> Executor | None:
+    """Worker processes for ``decoder``; None for 0 (decode in this process). Forked where the platform can (as
+    torch's DataLoader does: the workers never touch CUDA), so starting them costs milliseconds, not imports."""
+    if workers == 0:
+        return None
+    import torch.multiprocessing as mp  # its pickler hands tensors over in shared memory
+
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context(method), initializer=_init_media_worker,
+                               initargs=(decoder,))
+
+
+MEDIA_CHUNK_ROWS = 16  # rows per worker task: large enough to amortise the hand-over, small enough to pipeline
+
+
 # -- shards ---------------------------------------------------------------------------------------------
 
 
-def encoder_identity(spec: EncoderSpec, dtype: str) -> dict[str, Any]:
+def encoder_identity(spec: EncoderSpec, dtype: str, preprocess: Any = None) -> dict[str, Any]:
     source = spec.source.identity()
-    return {
+    identity = {
         "encoder": spec.name,
         "encoder_id": source["id"],
         "encoder_revision": source["revision"],
@@ -437,6 +538,9 @@ def encoder_identity(spec: EncoderSpec, dtype: str) -> dict[str, Any]:
         "width": spec.feature_width,
         "dtype": dtype,
     }
+    if preprocess is not None:  # features made through another preprocessing are other features
+        identity["preprocess"] = getattr(preprocess, "identity", type(preprocess).__qualname__)
+    return identity
 
 
 def shard_key(identity: Mapping[str, Any], item_hashes: Iterable[str]) -> str:
@@ -481,7 +585,10 @@ class _Preparation:
         self.element_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.item_bytes = spec.tokens_per_item * spec.feature_width * self.element_bytes
         self._encoder = encoder
-        self.identity = encoder_identity(spec, self.data.feature_dtype)
+        self._encoder_ready = False
+        # the encoder's preprocessing for worker processes (its processor config; the weights load only to encode)
+        self.preprocess = spec.load_preprocess(spec.source) if spec.load_preprocess is not None else None
+        self.identity = encoder_identity(spec, self.data.feature_dtype, self.preprocess)
         self.provenance = {
             "encoder": spec.name,
             "encoder_id": self.identity["encoder_id"],
@@ -498,16 +605,29 @@ class _Preparation:
         self.rows_unassigned = 0
         self.skipped: list[dict[str, Any]] = []
         self.paths = media_paths(self.data)
+        self.decoder = MediaDecoder(self.paths, spec.decode_item, self.preprocess)
         self.prompts = prompts
+        self.writes: deque[tuple[str, list[_PendingRow], Future | str, int]] = deque()  # shards not yet in manifest
+        self.writer: ThreadPoolExecutor | None = None
 
     @property
     def encoder(self) -> Any:
         if self._encoder is None:  # loaded only when a shard is missing: a full re-run never loads it
             self._encoder = self.spec.load(self.spec.source, self.device, self.dtype)
+        if not self._encoder_ready:
+            self._encoder_ready = True
+            rows = sum(p.rows for p in self.data.partitions)
+            if self.data.prepare.compiles(self.device, rows):
+                if not hasattr(self._encoder, "compile"):
+                    raise PrepareError(f"data.prepare.compile: {self.data.prepare.compile} needs an encoder with "
+                                       f"compile(batch_size); encoder {self.spec.name!r} has none: set it to auto "
+                                       f"or never")
+                self._encoder.compile(self.data.encode_batch_size)
         return self._encoder
 
     def retained(self) -> int:
-        return sum(self.referenced.values()) + self.manifest_bytes
+        in_flight = sum(n for *_, n in self.writes)  # shards being written, estimated from their item count
+        return sum(self.referenced.values()) + self.manifest_bytes + in_flight
 
     def check_retained(self, extra: int, what: str) -> None:
         budget = self.data.budgets.retained_bytes
@@ -529,22 +649,68 @@ class _Preparation:
             )
 
     # -- scanning --------------------------------------------------------------------------------------
-    def valid_rows(self, stream: Iterable[Mapping[str, Any]]) -> Iterator[_PendingRow]:
-        """Selected rows in stream order; invalid rows are raised or skipped, never given an ordinal."""
+    def scanned_rows(self, stream: Iterable[Mapping[str, Any]]) -> Iterator[_ScannedRow]:
+        """Rows in stream order with their text checked; an error is kept with its row, raised when the run
+        reaches it (rows read ahead for the decode workers must not change what is reported, or when)."""
         cols = self.data.columns
-        ordinal = 0
         for position, raw in enumerate(itertools.islice(stream, self.data.scan_cap)):
-            self.rows_scanned = position + 1
-            row_id = _row_id(raw, self.recipe, position)
-            _check_columns(raw, self.recipe, row_id)
+            row = _ScannedRow(f"row{position}", position)
+            try:
+                row.id = _row_id(raw, self.recipe, position)
+                _check_columns(raw, self.recipe, row.id)
+                row.messages = _messages(raw, self.recipe, row.id, position)
+                row.extra = _extra(raw, self.recipe, row.id, position)
+                row.values = media_items(raw[cols.media], row.id, position, cols.media)
+            except (InvalidRow, PrepareError) as exc:
+                row.error = exc
+            yield row
+
+    def decoded_rows(self, rows: Iterator[_ScannedRow], pool: Executor | None) -> Iterator[tuple[_ScannedRow, Any]]:
+        """Each scanned row with its media result (``(hashes, items)`` or ``(kind, reason)``; None after a text
+        error), in stream order; up to 4 chunks per worker are decoded ahead."""
+        window: deque[tuple[list[_ScannedRow], Any]] = deque()
+        ahead = 0 if pool is None else 4 * getattr(pool, "_max_workers", 1)
+
+        def done(chunk: list[_ScannedRow], pending: Any) -> Iterator[tuple[_ScannedRow, Any]]:
+            answer = pending.result() if isinstance(pending, Future) else pending
+            results = iter(_unstack(*answer) if answer is not None else [])
+            for row in chunk:
+                yield row, None if row.error else next(results)
+
+        try:
+            while chunk := list(itertools.islice(rows, MEDIA_CHUNK_ROWS)):
+                todo = [row.values for row in chunk if row.error is None]
+                if not todo:
+                    pending = None
+                elif pool is None:
+                    pending = self.decoder.rows(todo)
+                else:
+                    pending = pool.submit(_decode_chunk, todo)
+                window.append((chunk, pending))
+                while len(window) > ahead:
+                    yield from done(*window.popleft())
+            while window:
+                yield from done(*window.popleft())
+        finally:
+            for _, pending in window:  # the run stopped early (enough rows, or an error): drop what is ahead
+                if isinstance(pending, Future):
+                    pending.cancel()
+
+    def valid_rows(self, stream: Iterable[Mapping[str, Any]], pool: Executor | None = None) -> Iterator[_PendingRow]:
+        """Selected rows in stream order; invalid rows are raised or skipped, never given an ordinal."""
+        ordinal = 0
+        for row, media in self.decoded_rows(self.scanned_rows(stream), pool):
+            self.rows_scanned = row.position + 1
             partition = self.data.partition_of(ordinal)  # the one this row takes if it is valid
             try:
-                messages = _messages(raw, self.recipe, row_id, position)
-                extra = _extra(raw, self.recipe, row_id, position)
-                values = media_items(raw[cols.media], row_id, position, cols.media)
-                # tokenizing is cheap and decoding is not: the prompt is checked before the media are opened
-                self.prompts.check(messages, extra, len(values), partition and partition.name, row_id, position)
-                media = self.media_values(values, row_id, position)
+                if row.error is not None:
+                    raise row.error
+                # the prompt is checked before the media (as a run without workers would decode them: after)
+                self.prompts.check(row.messages, row.extra, len(row.values), partition and partition.name, row.id,
+                                   row.position)
+                if isinstance(media[0], str):
+                    kind, reason = media
+                    raise InvalidRow(row.id, row.position, self.data.columns.media, reason, kind)
             except InvalidRow as bad:
                 if self.data.on_corrupt == "error":
                     raise PrepareError(
@@ -554,7 +720,8 @@ class _Preparation:
                 continue
             ordinal += 1
             if partition is not None:
-                yield _PendingRow(row_id, position, partition.name, messages, media["values"], media["hashes"], extra)
+                hashes, items = media
+                yield _PendingRow(row.id, row.position, partition.name, row.messages, items, hashes, row.extra)
             else:
                 self.rows_unassigned += 1
             if ordinal >= self.data.rows_needed:
@@ -574,23 +741,6 @@ class _Preparation:
                 f"or shrink the partitions"
             )
 
-    def media_values(self, values: list[Any], row_id: str, position: int) -> dict[str, list]:
-        column = self.data.columns.media
-        hashes, checked = [], []
-        for v in values:
-            try:
-                v = self.paths.item(v)
-                self.spec.decode_item(v)  # validate now: an invalid row must not take a valid-row ordinal
-                hashes.append(media_fingerprint(v))
-            except _BadMedia as exc:
-                raise InvalidRow(row_id, position, column, str(exc), exc.kind) from exc
-            except (ValueError, OSError) as exc:
-                raise InvalidRow(row_id, position, column, f"corrupt media ({exc})", "corrupt-media") from exc
-            except TypeError as exc:
-                raise InvalidRow(row_id, position, column, str(exc), "media-type") from exc
-            checked.append(v)
-        return {"values": checked, "hashes": hashes}
-
     # -- shards ----------------------------------------------------------------------------------------
     def shards(self, rows: Iterator[_PendingRow]) -> Iterator[list[_PendingRow]]:
         """Consecutive rows of one partition, at most ``shard_rows`` each: a new partition starts a shard."""
@@ -604,45 +754,72 @@ class _Preparation:
             yield pending
 
     def flush(self, rows: list[_PendingRow], manifest: Any, bar: Any) -> None:
+        """Encode the shard unless it exists; its file is written by the writer thread while the next shard is
+        decoded and encoded, and its rows reach the manifest, in order, once the file is in place."""
         name = shard_key(self.identity, (h for r in rows for h in r.hashes)) + ".safetensors"
         path = self.cache_dir / name
         n_items = sum(len(r.media) for r in rows)
         if path.is_file():
-            digest = verified_shard_digest(path)  # a reused shard must still be the file that was written
+            digest: Future | str = verified_shard_digest(path)  # a reused shard must still be the file written
             self.shards_reused += 1
             bar.update(len(rows))
+            estimate = 0
         else:
             self.check_retained(n_items * self.item_bytes, f"with shard {name} ({rows[0].id}..{rows[-1].id})")
-            digest = write_shard(path, self.encode(rows, bar), {**self.identity, "items": n_items})
+            features = self.encode(rows, bar)
+            assert self.writer is not None
+            digest = self.writer.submit(write_shard, path, features, {**self.identity, "items": n_items})
             self.shards_encoded += 1
             self.items_encoded += n_items
-        if name not in self.referenced:  # the shard and its sha256 sidecar are both retained
-            self.referenced[name] = path.stat().st_size + shard_digest_path(path).stat().st_size
-        index = 0
+            estimate = n_items * self.item_bytes
         for row in rows:
-            keys = tuple(FeatureKey(name, index + j, digest) for j in range(len(row.media)))
-            index += len(row.media)
-            self.items_written += len(row.media)
-            record = ManifestRow(
-                id=row.id,
-                partition=row.partition,
-                messages=tuple(row.messages),
-                features=keys,
-                tokens=self.spec.tokens_per_item,
-                width=self.spec.feature_width,
-                dtype=self.data.feature_dtype,
-                provenance=self.provenance,
-                extra=row.extra,
-            ).as_json()
-            line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
-            manifest.write(line)
-            self.manifest_bytes += len(line.encode())
-            self.rows_written[row.partition] += 1
-        self.check_retained(0, f"after shard {name}")
+            row.media = []  # the decoded items are no longer needed
+        self.writes.append((name, rows, digest, estimate))
+        self.record(manifest, keep=1)
+
+    def record(self, manifest: Any, keep: int = 0) -> None:
+        """Manifest lines of the written shards, oldest first, leaving ``keep`` shards in flight."""
+        while len(self.writes) > keep:
+            name, rows, pending, _ = self.writes[0]
+            digest = pending.result() if isinstance(pending, Future) else pending
+            self.writes.popleft()
+            path = self.cache_dir / name
+            if name not in self.referenced:  # the shard and its sha256 sidecar are both retained
+                self.referenced[name] = path.stat().st_size + shard_digest_path(path).stat().st_size
+            index = 0
+            for row in rows:
+                keys = tuple(FeatureKey(name, index + j, digest) for j in range(len(row.hashes)))
+                index += len(row.hashes)
+                self.items_written += len(row.hashes)
+                record = ManifestRow(
+                    id=row.id,
+                    partition=row.partition,
+                    messages=tuple(row.messages),
+                    features=keys,
+                    tokens=self.spec.tokens_per_item,
+                    width=self.spec.feature_width,
+                    dtype=self.data.feature_dtype,
+                    provenance=self.provenance,
+                    extra=row.extra,
+                ).as_json()
+                line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+                manifest.write(line)
+                self.manifest_bytes += len(line.encode())
+                self.rows_written[row.partition] += 1
+            self.check_retained(0, f"after shard {name}")
+
+    def batch(self, items: list[Any]) -> Any:
+        """What one encoder call takes: the list of decoded items, or preprocessed tensors stacked into one
+        (in pinned memory when the encoder is on CUDA, so the copy to the device is asynchronous)."""
+        if not items or not isinstance(items[0], torch.Tensor):
+            return items
+        out = torch.empty((len(items), *items[0].shape), dtype=items[0].dtype,
+                          pin_memory=self.device.startswith("cuda") and torch.cuda.is_available())
+        return torch.stack(items, out=out)
 
     def encode(self, rows: list[_PendingRow], bar: Any) -> torch.Tensor:
         """Features of every item of ``rows`` in order; the bar advances per row as its last item is done."""
-        items = [(row.id, self.spec.decode_item(v)) for row in rows for v in row.media]
+        items = [(row.id, item) for row in rows for item in row.media]
         row_ends = set(itertools.accumulate(len(row.media) for row in rows))
         expected = (self.spec.tokens_per_item, self.spec.feature_width)
         out = []
@@ -650,7 +827,7 @@ class _Preparation:
         for start in range(0, len(items), step):
             batch = items[start : start + step]
             with torch.inference_mode():
-                features = self.encoder.encode([item for _, item in batch])
+                features = self.encoder.encode(self.batch([item for _, item in batch]))
             if tuple(features.shape) != (len(batch), *expected):
                 raise PrepareError(
                     f"encoder {self.spec.name!r} returned features of shape {tuple(features.shape)} for rows "
@@ -671,14 +848,18 @@ class _Preparation:
         manifest_path = self.out_dir / MANIFEST_NAME
         manifest_tmp = self.out_dir / f"{_TMP_PREFIX}{MANIFEST_NAME}"
         tmp = Path(tempfile.mkdtemp(prefix="stitch-prepare-"))
+        # the workers start before any thread of this run (tqdm, the writer) and before the encoder loads
+        pool = media_pool(self.data.prepare.worker_count, self.decoder)
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="stitch-shard-writer")
         try:
             stream = open_stream(self.data.source, tmp / "datasets")
             stream = _raw_media_stream(stream, self.data.columns.media)
             with open(manifest_tmp, "w", encoding="utf-8") as manifest, _progress(selected, self.progress) as bar:
-                for shard_rows in self.shards(self.valid_rows(stream)):
+                for shard_rows in self.shards(self.valid_rows(stream, pool)):
                     self.flush(shard_rows, manifest, bar)
                     self.check_transient(tmp)
                     bar.set_postfix(encoded=self.shards_encoded, reused=self.shards_reused, refresh=False)
+                self.record(manifest)
             self.check_transient(tmp)
             os.replace(manifest_tmp, manifest_path)
         except PrepareError as exc:  # the report says what was scanned and skipped, also when preparation fails
@@ -688,6 +869,9 @@ class _Preparation:
             })
             raise
         finally:
+            self.writer.shutdown(wait=True)  # a shard being written is finished (or its temp file removed)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
             shutil.rmtree(tmp, ignore_errors=True)
             manifest_tmp.unlink(missing_ok=True)
         for shard in self.cache_dir.glob("*.safetensors"):  # orphans of earlier recipes

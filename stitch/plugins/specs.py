@@ -80,6 +80,13 @@ class EncoderSpec:
     that carries this encoder's cached features to a rollout engine; GRPO, evaluation and inference build every
     prompt through it (``stitch.rollout.prompts``). A tiny preset is its own registration whose source has a
     builder.
+
+    ``load_preprocess(source)`` (optional) returns a picklable ``preprocess(value) -> Tensor`` of one fixed shape
+    (decode + resize to what the encoder consumes, e.g. uint8 pixels), or None where the snapshot's preprocessing
+    has no such form. ``stitch prepare`` runs it in worker processes and hands ``encode`` the stacked batch
+    (a Tensor [B, ...] instead of a list of decoded items); its ``identity`` string joins the shard keys, so a
+    change of preprocessing never reuses features made the old way. The loaded encoder may offer
+    ``compile(batch_size)`` (``data.prepare.compile``).
     """
 
     name: str
@@ -91,6 +98,7 @@ class EncoderSpec:
     decode_item: Callable[[Any], Any]
     payload: str | None = None
     description: str = ""
+    load_preprocess: Callable[[ModelSource], Callable[[Any], Any] | None] | None = None
 
 
 @dataclass(frozen=True)

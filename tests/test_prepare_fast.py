@@ -1,0 +1,185 @@
+"""The shipped prepare's fast path against the reference: uint8 geometry in workers (JPEG decoded at a reduced DCT
+scale), normalisation on the encoder's device, sdpa over the truncated tower, decode workers; same rows, same
+shards, features within stated tolerances of CLIPImageProcessor -> full eager tower ``hidden_states[-2]``."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from stitch.config.recipe import load_recipe
+from stitch.data.prepare import REPORT_NAME, prepare
+
+pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
+
+from test_bad_data import hostile, hostile_recipe  # noqa: E402,F401  (hostile: the fixture, used by name)
+from test_prepare import dir_snapshot, write_recipe  # noqa: E402
+
+from stitch_clip.encoder import ClipGeometry, clip_geometry, decode_image  # noqa: E402
+
+# Measured (Pillow 13, transformers 5.19, the sizes below): PNG pixels equal the processor's up to float32
+# rounding (4.8e-7); a JPEG decoded by draft() at 1/2 or 1/4 scale differs from full decode + the same bicubic
+# resize by at most 0.09 (about 6 of 255 levels) and 0.016 on average, in normalised units; JPEGs whose short
+# side is under 448 px are not drafted and match like PNGs. Features (fp32, clip-tiny's random 2-layer tower):
+# PNG within 2.9e-6 of the eager full tower's hidden_states[-2]; draft JPEG within 2.8 % relative L2 per item
+# (another image is ~135 % away). Tolerances leave ~30 % headroom over what was measured.
+PIXEL_ROUNDING = 1e-6
+JPEG_PIXEL_MAX, JPEG_PIXEL_MEAN = 0.12, 0.025
+PNG_FEATURE_ATOL = 1e-5
+JPEG_FEATURE_REL = 0.04
+SIZES = [(640, 480), (480, 640), (500, 375), (1024, 768), (1900, 1000), (300, 229)]
+
+
+def photo_bytes(width: int, height: int, fmt: str, seed: int = 0) -> bytes:
+    """Smooth waves + sensor noise: compresses like a photo (flat colour would hide resampling errors)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    waves = [np.sin(xx / rng.uniform(8, 40) + rng.uniform(0, 6)) * np.cos(yy / rng.uniform(8, 40)) * 100 + 128
+             for _ in range(3)]
+    pixels = np.stack(waves, -1) + rng.normal(0, 8, (height, width, 3))
+    buf = io.BytesIO()
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buf, fmt, quality=90)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def host_module():
+    from stitch.plugins.host import load_plugins
+
+    return load_plugins()
+
+
+@pytest.fixture(scope="module")
+def tiny(host_module):
+    """The clip-tiny snapshot: its processor and the loaded (truncated, sdpa) encoder in fp32."""
+    from transformers import CLIPImageProcessor
+
+    spec = host_module.get("encoders", "clip-tiny")
+    kwargs = spec.source.pretrained_kwargs()
+    return CLIPImageProcessor.from_pretrained(**kwargs), spec.load(spec.source, "cpu", torch.float32), kwargs
+
+
+def reference_pixels(processor, raw: bytes) -> torch.Tensor:
+    return processor(images=[decode_image(raw)], return_tensors="pt")["pixel_values"]
+
+
+def fast_pixels(encoder, geometry: ClipGeometry, raw: bytes) -> torch.Tensor:
+    return encoder.normalise(geometry(raw)[None])
+
+
+def reference_features(kwargs, pixels: torch.Tensor) -> torch.Tensor:
+    """Stock transformers: eager attention, the whole tower, the penultimate hidden state's patch tokens."""
+    from transformers import CLIPVisionModel
+
+    model = CLIPVisionModel.from_pretrained(**kwargs, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(pixel_values=pixels, output_hidden_states=True).hidden_states[-2][:, 1:]
+
+
+def pixel_errors(processor, encoder, geometry, fmt: str) -> tuple[float, float]:
+    diffs = [(fast_pixels(encoder, geometry, raw) - reference_pixels(processor, raw)).abs()
+             for raw in (photo_bytes(w, h, fmt, seed=i) for i, (w, h) in enumerate(SIZES))]
+    return max(d.max().item() for d in diffs), max(d.mean().item() for d in diffs)
+
+
+def test_png_fast_pixels_equal_clip_image_processor_up_to_float_rounding(tiny):
+    processor, encoder, _ = tiny
+    worst, _ = pixel_errors(processor, encoder, clip_geometry(processor), "PNG")
+    assert worst <= PIXEL_ROUNDING
+
+
+def test_draft_jpeg_fast_pixels_stay_within_the_measured_tolerance_of_full_decode(tiny):
+    processor, encoder, _ = tiny
+    worst, mean = pixel_errors(processor, encoder, clip_geometry(processor), "JPEG")
+    assert worst <= JPEG_PIXEL_MAX and mean <= JPEG_PIXEL_MEAN, (worst, mean)
+    assert worst > 10 * PIXEL_ROUNDING  # the draft path was taken: full decode would match as PNG does
+
+
+def test_a_draft_below_the_resize_target_breaks_the_jpeg_pixel_tolerance(tiny):
+    processor, encoder, _ = tiny
+    good = clip_geometry(processor)
+
+    class TooAggressive(ClipGeometry):  # decodes at 1/8 and then upsamples: the mutation the check must catch
+        def __call__(self, value):
+            image = decode_image(value, min_short_side=self.shortest_edge // 4)
+            buf = io.BytesIO()
+            image.save(buf, "PNG")
+            return super().__call__(buf.getvalue())
+
+    worst, mean = pixel_errors(processor, encoder, TooAggressive(good.shortest_edge, good.crop, good.resample), "JPEG")
+    assert worst > JPEG_PIXEL_MAX or mean > JPEG_PIXEL_MEAN
+
+
+def test_wrong_normalisation_on_the_device_breaks_the_png_pixel_identity(tiny):
+    processor, encoder, _ = tiny
+    geometry = clip_geometry(processor)
+    saved = encoder.std
+    try:
+        encoder.std = encoder.mean  # a swapped constant, the classic slip
+        worst, _ = pixel_errors(processor, encoder, geometry, "PNG")
+    finally:
+        encoder.std = saved
+    assert worst > JPEG_PIXEL_MAX
+
+
+def test_fast_features_match_the_full_eager_tower_penultimate_layer_for_png_and_draft_jpeg(tiny):
+    processor, encoder, kwargs = tiny
+    geometry = clip_geometry(processor)
+    png = [photo_bytes(w, h, "PNG", seed=i) for i, (w, h) in enumerate(SIZES[:3])]
+    jpeg = [photo_bytes(w, h, "JPEG", seed=i) for i, (w, h) in enumerate(SIZES[:3])]
+    raws = png + jpeg
+    reference = reference_features(kwargs, torch.cat([reference_pixels(processor, r) for r in raws]))
+    fast = encoder.encode(torch.stack([geometry(r) for r in raws]))
+    assert fast.shape == reference.shape == (len(raws), 49, 768)
+    assert (fast[:3] - reference[:3]).abs().max().item() <= PNG_FEATURE_ATOL
+
+    def relative(a, b):
+        return ((a - b).norm(dim=(1, 2)) / b.norm(dim=(1, 2))).max().item()
+
+    assert relative(fast[3:], reference[3:]) <= JPEG_FEATURE_REL
+    assert relative(fast[3:], reference[3:].roll(1, 0)) > 10 * JPEG_FEATURE_REL  # another image: the check can fail
+
+
+def test_padded_batches_of_a_compiled_encoder_give_the_unpadded_features(tiny):
+    processor, encoder, _ = tiny
+    geometry = clip_geometry(processor)
+    batch = torch.stack([geometry(photo_bytes(w, h, "JPEG", seed=i)) for i, (w, h) in enumerate(SIZES[:3])])
+    plain = encoder.encode(batch)
+    encoder.compiled_batch = 2  # the padding/chunking of a compiled tower, without paying for a CPU compile
+    try:
+        padded = encoder.encode(batch)  # one chunk of 2, one of 1 padded to 2
+    finally:
+        encoder.compiled_batch = None
+    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_shards_and_manifest_are_bitwise_equal_with_0_and_2_decode_workers(tmp_path, host_module):
+    snapshots = []
+    for workers in (0, 2):
+        root = tmp_path / f"w{workers}"
+        root.mkdir()
+        data = {"source": {"builtin": "counting-shapes", "rows": 20, "caption_rows": 4, "seed": 0},
+                "partitions": {"alignment": [0, 6], "train": [6, 20]}, "scan_cap": 24, "shard_rows": 5,
+                "encode_batch_size": 3, "prepare": {"workers": workers}}
+        report = prepare(load_recipe(write_recipe(root, **data)), root / "out", host=host_module, progress=False)
+        assert report.rows == {"alignment": 6, "train": 14} and report.shards_encoded == 4 + 1
+        snapshots.append(dir_snapshot(root / "out"))
+    assert snapshots[0] == snapshots[1]
+
+
+def test_hostile_rows_are_reported_identically_with_0_and_2_decode_workers(hostile, tmp_path, host_module):  # noqa: F811
+    root = hostile
+    reports = []
+    for workers in (0, 2):
+        out = tmp_path / f"out{workers}"
+        prepare(load_recipe(hostile_recipe(root, name=f"w{workers}", prepare={"workers": workers})), out,
+                host=host_module, progress=False)
+        report = json.loads((out / REPORT_NAME).read_text())
+        reports.append((report["rows"], report["skipped"], dir_snapshot(out)))
+    assert reports[0] == reports[1] and reports[0][1]
