@@ -3,8 +3,9 @@
 #   bash benchmarks/h200_issue14.sh dense     # GPU tests, GRPO rollout engines, dense SFT with a profile
 #   bash benchmarks/h200_issue14.sh hybrids   # Qwen3.5-4B and Nemotron-Nano-4B shapes with fla, four modes each
 #   bash benchmarks/h200_issue14.sh round2    # the second call: GPU tests, GRPO, dense SFT, then Qwen3.5-4B with fla
-#   bash benchmarks/h200_issue14.sh round3    # GPU tests, GRPO with grouped decode attention + a rollout profile,
-#                                             # then dense 4B and both hybrids (fla) in ONE process, five modes each
+#   bash benchmarks/h200_issue14.sh round3    # GPU tests, GRPO (grouped decode, merged LoRA) + rollout profile,
+#                                             # and the shipped stitch prepare on 16k JPEGs (prepare_stitch.py)
+#   bash benchmarks/h200_issue14.sh shapes    # dense 4B and both hybrids (fla) in ONE process, five modes each
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh); results and logs go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
@@ -38,18 +39,22 @@ case "${1:-dense}" in
       --modes packed,stock,baseline,cached_padded --out "$OUT" 2>&1 | tee "$OUT/qwen35.log" \
       | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-300
     ;;
-  round3)
-    bash benchmarks/install_kernels.sh /tmp/fla
+  round3)  # GPU tests, GRPO (grouped decode attention, merged LoRA) with a rollout profile, stitch prepare itself
     timeout 150 python3 -m pytest -q -x -k gpu tests/test_decode_static.py tests/test_perf_fused_kernels.py \
       tests/test_perf_lora_product.py tests/test_fast_paths.py tests/test_real_size.py 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -2
-    timeout 130 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch --prompts 8 --group 8 \
+    timeout 130 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch,generate --prompts 8 --group 8 \
       --micro-batch-size 16 --steps 3 --warmup 1 --skip-parity --profile-rollout 1 --tag _graph3 --out "$OUT" 2>&1 \
       | tee "$OUT/grpo.log" | grep -E "^(stitch|generate) \||rollout tok/s"
+    timeout 270 python3 benchmarks/prepare_stitch.py --out "$OUT" 2>&1 | tee "$OUT/prepare.log" | grep -v "^USDT" \
+      | tail -14
+    ;;
+  shapes)  # dense 4B and both hybrids (fla) in ONE process, five modes each, and the cross-shape ratio
+    bash benchmarks/install_kernels.sh /tmp/fla
     export PYTHONPATH=/tmp/site:/tmp/fla:.
-    timeout 330 python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b,nemotron4b --steps 4 --warmup 2 \
+    timeout 420 python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b,nemotron4b --steps 4 --warmup 2 \
       --modes packed,cached_padded,baseline,llava,stock --tag _round3 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
-      | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-300
+      | grep -E "stock =|dense /" | cut -c1-400
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla
