@@ -183,3 +183,19 @@ def test_hostile_rows_are_reported_identically_with_0_and_2_decode_workers(hosti
         report = json.loads((out / REPORT_NAME).read_text())
         reports.append((report["rows"], report["skipped"], dir_snapshot(out)))
     assert reports[0] == reports[1] and reports[0][1]
+
+
+def test_served_images_are_preprocessed_as_prepare_preprocessed_the_training_images(tiny, host_module):
+    """stitch serve / infer encode an image through the encoder's prepare preprocessing (a large JPEG decoded by
+    draft()), so a served image gets the features its training twin got, not the full-decode processor's."""
+    from stitch.serve.inference import encode_item
+
+    processor, encoder, _ = tiny
+    spec = host_module.get("encoders", "clip-tiny")
+    preprocess = spec.load_preprocess(spec.source)
+    raw = photo_bytes(1024, 768, "JPEG", seed=3)  # short side >= 448: drafted at 1/2 scale
+    served = encode_item(spec, encoder, preprocess, raw)
+    prepared = encoder.encode(torch.stack([preprocess(raw)])).float()
+    assert torch.equal(served, prepared)
+    full_decode = encoder.encode([decode_image(raw)]).float()
+    assert not torch.equal(served, full_decode)  # the two paths differ here, so the test tells them apart

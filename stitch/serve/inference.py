@@ -14,6 +14,15 @@ from stitch.model.merge import merge_adapter_into_model
 from stitch.runs.checkpoint import latest_step_dir, verify_checksums
 
 
+def encode_item(spec: Any, encoder: Any, preprocess: Any, raw: Any) -> torch.Tensor:
+    """One raw item's features [1, tokens, width] (fp32, CPU), preprocessed as ``stitch prepare`` does: through the
+    encoder's ``load_preprocess`` function when it has one (e.g. CLIP's uint8 geometry, JPEG decoded by draft()),
+    else ``decode_item`` + the encoder's own preprocessing."""
+    if preprocess is not None:
+        return encoder.encode(preprocess(raw)[None]).float().cpu()
+    return encoder.encode([spec.decode_item(raw)]).float().cpu()
+
+
 @dataclass
 class ResolvedCheckpoint:
     step_dir: Path
@@ -65,6 +74,7 @@ class Stitched:
         self.engine = self.binding.host.get("rollout_engines", engine).factory(
             lm, pad_id=self.binding.pad_id, eos_id=self.tokenizer.eos_token_id, suppress_ids=self.binding.suppress_ids)
         self._encoder = None
+        self._preprocess = None
 
     @property
     def tokenizer(self) -> Any:
@@ -86,9 +96,13 @@ class Stitched:
         return self.binding.prompt_text(question, num_items)
 
     def encode(self, raw: Any) -> torch.Tensor:
+        spec = self.encoder_spec
         if self._encoder is None:
-            self._encoder = self.encoder_spec.load(self.encoder_spec.source, device=self.device)
-        return self._encoder.encode([self.encoder_spec.decode_item(raw)]).float().cpu()
+            self._encoder = spec.load(spec.source, device=self.device)
+            # the preprocessing stitch prepare ran for the training features (e.g. CLIP's uint8 geometry with
+            # JPEG draft decoding), so a served image is encoded as the training images were
+            self._preprocess = spec.load_preprocess(spec.source) if spec.load_preprocess is not None else None
+        return encode_item(spec, self._encoder, self._preprocess, raw)
 
     @torch.no_grad()
     def answer(self, raw: Any, question: str, max_new_tokens: int = 24) -> str:
