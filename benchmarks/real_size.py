@@ -248,17 +248,18 @@ def save_and_reload(model, binding, out: Path, rec: dict):
     return reloaded
 
 
-def run_model(name: str, args, host, device) -> dict:
+def run_model(name: str, args, host, device, backend: str = "transformers", last: bool = True) -> dict:
+    """One model on one backend; ``last``: no other backend runs on this snapshot after it (a big one may go)."""
     from stitch.config.options import LoraOptions
     from stitch.model.binding import ModelBinding, resolved_lora_targets
-    from stitch.model.loading import load_model, with_local_snapshot
+    from stitch.model.loading import load_model, refused_by_backend, with_backend, with_local_snapshot
 
-    rec: dict = {"model": name, "layers": args.layers, "width": args.width, "stage": "snapshot",
+    rec: dict = {"model": name, "backend": backend, "layers": args.layers, "width": args.width, "stage": "snapshot",
                  "load_ok": False, "steps_ok": False}
     out = Path(args.work) / name
     shutil.rmtree(out, ignore_errors=True)
     try:
-        spec = host.get("models", name)
+        spec = with_backend(host.get("models", name), backend)  # refused here when the backend cannot run
         directory = ensure_snapshot(spec, args, rec)
         if args.width is not None:  # a narrowed smoke snapshot: the spec's width follows it (full size: never)
             spec = dataclasses.replace(spec, hidden_size=args.width)
@@ -286,7 +287,11 @@ def run_model(name: str, args, host, device) -> dict:
         rec["stage"] = "sft"
         sft_steps(model, binding, spec, args, device, rec)
         rec["stage"] = "grpo"
-        grpo_step(model, binding, args, device, rec)
+        cannot = refused_by_backend(spec, "generate")
+        if cannot:
+            rec["grpo"] = {"skipped": cannot}
+        else:
+            grpo_step(model, binding, args, device, rec)
         rec["stage"] = "save_reload"
         model = save_and_reload(model, binding, out, rec)
         rec["steps_ok"] = rec["save_reload"]["ok"]
@@ -304,11 +309,31 @@ def run_model(name: str, args, host, device) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     snap = rec.get("snapshot", {})
-    if not args.keep and snap.get("gib", 0) > BIG_SNAPSHOT_GIB:
+    if last and not args.keep and snap.get("gib", 0) > BIG_SNAPSHOT_GIB:
         shutil.rmtree(snap["dir"], ignore_errors=True)
         if snap.get("spilled_to"):
             shutil.rmtree(snap["spilled_to"], ignore_errors=True)
     return rec
+
+
+def compare_backends(name: str, runs: dict[str, dict]) -> dict:
+    """One record for a model measured on several backends: each run whole under ``backends``, and the figures to
+    compare side by side (tokens/s and MFU on active parameters of the SFT steps, their step time, peaks)."""
+    first = next(iter(runs.values()))
+    return {
+        "model": name, "layers": first.get("layers"), "width": first.get("width"),
+        "load_ok": all(r["load_ok"] for r in runs.values()), "steps_ok": all(r["steps_ok"] for r in runs.values()),
+        "peak_gib": max((r["peak_gib"] for r in runs.values() if r.get("peak_gib") is not None), default=None),
+        "host_peak_gib": max(r["host_peak_gib"] for r in runs.values()),
+        "load_s": {b: r.get("load_s") for b, r in runs.items()}, "stage": {b: r["stage"] for b, r in runs.items()},
+        "error": {b: r["error"] for b, r in runs.items() if "error" in r} or None,
+        "comparison": {b: {"packed": r.get("sft", {}).get("packed"), "tokens": r.get("sft", {}).get("tokens"),
+                           "tokens_per_s": r.get("sft", {}).get("tokens_per_s"),
+                           "mfu_active_6n": r.get("sft", {}).get("mfu_active_6n"),
+                           "step_s": r.get("sft", {}).get("step_s"), "peak_gib": r.get("peak_gib"),
+                           "loss": r.get("sft", {}).get("loss")} for b, r in runs.items()},
+        "backends": runs,
+    }
 
 
 def main() -> None:
@@ -331,6 +356,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false")
+    parser.add_argument("--backends", default="transformers",
+                        help="comma-separated model.backend values measured one after another on the same snapshot "
+                             "(e.g. transformers,automodel); with more than one the JSON holds each under 'backends'")
     args = parser.parse_args()
     from benchmarks.sft_throughput import plugin_host
 
@@ -340,9 +368,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info()
     failed = False
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for name in args.models.split(","):
         log(f"== {name}")
-        rec = run_model(name.strip(), args, host, device)
+        runs = {}
+        for i, backend in enumerate(backends):
+            log(f"-- {name} on {backend}")
+            runs[backend] = run_model(name.strip(), args, host, device, backend, last=i == len(backends) - 1)
+            gc.collect()  # the previous backend's model is gone before the next one loads
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        rec = runs[backends[0]] if len(backends) == 1 else compare_backends(name.strip(), runs)
         rec["machine"] = info
         (out / f"real_size_{name.strip()}.json").write_text(json.dumps(rec, indent=2) + "\n")
         log(json.dumps({k: rec.get(k) for k in ("model", "load_ok", "steps_ok", "peak_gib", "host_peak_gib",

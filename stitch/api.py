@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stitch.config.recipe import shipped_recipes
+from stitch.model.automodel import automodel_backend
 from stitch.model.snapshots import shrink_layer_pattern, write_random_weights
 from stitch.model.varlen import (
     fla_conv,
@@ -24,6 +25,7 @@ from stitch.plugins.hookspecs import hookimpl
 from stitch.plugins.host import load_plugins
 from stitch.plugins.specs import (
     EncoderSpec,
+    ModelBackend,
     ModelSource,
     ModelSpec,
     ProjectorSpec,
@@ -41,6 +43,7 @@ __all__ = [
     # hooks and what they register
     "hookimpl",
     "EncoderSpec",
+    "ModelBackend",
     "ModelSource",
     "ModelSpec",
     "ProjectorSpec",
@@ -55,6 +58,7 @@ __all__ = [
     "load_plugins",
     # building blocks for registrations
     "PayloadError",
+    "automodel_backend",
     "feature_payload_spec",
     "shipped_recipes",
     # tiny presets (random-init snapshots built locally) and the demo base's pre-training

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from stitch.api import ModelSource, ModelSpec, varlen_kernels_ready
+from stitch.api import ModelSource, ModelSpec, automodel_backend, varlen_kernels_ready
 from stitch_nemotron.kernels import use_varlen
 from stitch_nemotron.published import snapshot_writer
 from stitch_nemotron.sentinels import SENTINELS
@@ -85,6 +85,12 @@ def install_sample_starts(model: Any) -> bool:
     return True
 
 
+AUTOMODEL_INSTALL = ('pip install "stitch-nemotron[automodel]" (or, without its heavy dependencies: '
+                     'pip install --no-deps nemo-automodel==0.7.0), and mamba-ssm: AutoModel\'s Mamba-2 mixer '
+                     'calls its Triton kernels with no PyTorch fallback')
+AUTOMODEL = "nemo_automodel.components.models.nemotron_v3.model:NemotronHForCausalLM"
+
+
 def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, description: str,
                   published: bool = False) -> ModelSpec:
     return ModelSpec(
@@ -102,6 +108,10 @@ def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, d
         kernels={"fla": "flash-linear-attention"},
         packing_note=PACKING_NOTE,
         snapshot=snapshot_writer(name) if published else None,
+        # AutoModel's NemotronV3 keeps transformers' module names for every LoRA target (its adapter reads the
+        # published backbone.* and transformers' model.* keys alike)
+        backends={"automodel": automodel_backend(AUTOMODEL, ATTENTION + MAMBA_INPUT + (SHARED_EXPERT if moe else ()),
+                                                 AUTOMODEL_INSTALL, kernels=("mamba_ssm",))},
         description=description,
     )
 

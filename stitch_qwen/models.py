@@ -4,9 +4,10 @@ the sample-start path they install for packed training."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
-from stitch.api import ModelSource, ModelSpec, varlen_kernels_ready
+from stitch.api import ModelSource, ModelSpec, automodel_backend, varlen_kernels_ready
 from stitch_qwen.kernels import install_fused_kernels, use_fused_kernels, use_varlen
 from stitch_qwen.published import snapshot_writer
 from stitch_qwen.sentinels import SENTINELS
@@ -84,6 +85,44 @@ def install_sample_starts(model: Any) -> bool:
     return True
 
 
+AUTOMODEL_INSTALL = 'pip install "stitch-qwen[automodel]" (or, without its heavy dependencies: pip install --no-deps nemo-automodel==0.7.0)'
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_experts(layer: dict[str, Any]) -> dict[str, Any]:
+    """One layer's per-expert tensors (the published layout) as transformers' fused ``experts.gate_up_proj``
+    [experts, 2 * inter, hidden] (gate rows first) and ``experts.down_proj`` [experts, hidden, inter], the layout
+    AutoModel's Qwen3.5-MoE adapter reads in bf16 (it takes per-expert keys only as block-FP8 with scales)."""
+    import torch
+
+    experts: dict[str, dict[int, dict[str, Any]]] = {}
+    out = {}
+    for key, value in layer.items():
+        found = _EXPERT.match(key)
+        if found:
+            experts.setdefault(found.group(1), {}).setdefault(int(found.group(2)), {})[found.group(3)] = value
+        else:
+            out[key] = value
+    for prefix, by_id in experts.items():
+        ids = sorted(by_id)
+        if ids != list(range(len(ids))) or any(len(by_id[i]) != 3 for i in ids):
+            raise ValueError(f"{prefix}: experts {ids} are not numbered 0..n-1 each with gate/up/down_proj")
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_id[i]["gate_proj"], by_id[i]["up_proj"]])
+                                                     for i in ids])
+        out[f"{prefix}.down_proj"] = torch.stack([by_id[i]["down_proj"] for i in ids])
+    return out
+
+
+AUTOMODEL_DENSE = automodel_backend(
+    "nemo_automodel.components.models.qwen3_5.model:Qwen3_5ForCausalLM", FULL_ATTENTION + LINEAR_ATTENTION,
+    AUTOMODEL_INSTALL)
+AUTOMODEL_MOE = automodel_backend(
+    "nemo_automodel.components.models.qwen3_5_moe.model:Qwen3_5MoeForCausalLM",
+    # AutoModel names the shared expert in the plural
+    FULL_ATTENTION + LINEAR_ATTENTION + tuple(t.replace("shared_expert.", "shared_experts.") for t in SHARED_EXPERT),
+    AUTOMODEL_INSTALL, prepare=fuse_experts)
+
+
 def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, description: str,
                     published: bool = False) -> ModelSpec:
     return ModelSpec(
@@ -101,6 +140,7 @@ def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, descriptio
         packing_note=PACKING_NOTE,
         kernels=GDN_KERNELS,
         snapshot=snapshot_writer(name) if published else None,
+        backends={"automodel": AUTOMODEL_DENSE},
         description=f"{description} {HOW_TO_LOAD_VLM}",
     )
 
@@ -122,6 +162,7 @@ def qwen_moe_spec(name: str, source: ModelSource, hidden_size: int, description:
         packing_note=PACKING_NOTE,
         kernels=GDN_KERNELS,
         snapshot=snapshot_writer(name) if published else None,
+        backends={"automodel": AUTOMODEL_MOE},
         description=f"{description} {HOW_TO_LOAD_VLM}",
     )
 

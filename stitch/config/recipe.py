@@ -78,6 +78,11 @@ class ModelConfig:
         None, description="a local HF-format snapshot directory (config.json + safetensors) read instead of the "
                           "model's hub source; relative paths resolve against the recipe file's folder. Refused at "
                           "load when it lacks config.json or safetensors, or its hidden size is not the model's")
+    backend: Literal["transformers", "automodel"] = Field(
+        "transformers", description="the LM implementation: transformers' class, or NeMo AutoModel's (an extra of "
+                                    "the model plugin, e.g. stitch-qwen[automodel]); refused at load when the "
+                                    "model's plugin offers no such backend, its package does not import, or a "
+                                    "stage needs what the backend lacks (generation: GRPO, eval_partition)")
 
     @field_validator("snapshot", mode="after")
     @classmethod
@@ -467,8 +472,9 @@ class RecipeFile(Strict):
     """The schema of a recipe YAML file."""
 
     name: Annotated[Text, Field(min_length=1)] = Field(description="recipe name (default run directory runs/<name>)")
-    model: ModelField = Field(description="a registered model name (see `stitch models`), or {name, snapshot} to "
-                                          "read it from a local snapshot directory")
+    model: ModelField = Field(description="a registered model name (see `stitch models`), or {name, snapshot, "
+                                          "backend} to read it from a local snapshot directory and/or load it "
+                                          "through another implementation")
     encoder: Annotated[Text, Field(min_length=1)] = Field(description="a registered encoder (see `stitch encoders`)")
     projector: Text = Field("mlp2x_gelu", description="a registered projector (see `stitch registry projectors`)")
     task: TaskField = Field(
@@ -526,6 +532,7 @@ class Recipe:
     parallel: ParallelConfig | None = None
     task: TaskConfig = plain_field(default_factory=lambda: TaskConfig(name=DEFAULT_TASK))
     model_snapshot: Path | None = None  # read the model from this local snapshot instead of its hub source
+    model_backend: str = "transformers"  # the LM implementation (ModelSpec.backends)
 
     def stage_options(self, name: str) -> StageOptions:
         """The typed options of a stage this recipe declares; RecipeError naming the stage otherwise."""
@@ -542,8 +549,10 @@ class Recipe:
         """Every field of the recipe after overrides and defaults, as plain YAML-able data."""
         return {
             "name": self.name,
-            "model": self.model if self.model_snapshot is None else {"name": self.model,
-                                                                      "snapshot": str(self.model_snapshot)},
+            "model": self.model if self.model_snapshot is None and self.model_backend == "transformers" else {
+                "name": self.model,
+                **({} if self.model_snapshot is None else {"snapshot": str(self.model_snapshot)}),
+                **({} if self.model_backend == "transformers" else {"backend": self.model_backend})},
             "encoder": self.encoder,
             "projector": self.projector,
             "task": self.task.name if self.task.reward is None else _adapter(TaskConfig).dump_python(
@@ -603,6 +612,7 @@ def parse_recipe(mapping: Any, *, path: Path | None = None, overrides: Iterable[
         name=checked.name,
         model=checked.model.name,
         model_snapshot=checked.model.snapshot,
+        model_backend=checked.model.backend,
         encoder=checked.encoder,
         projector=checked.projector,
         data=checked.data,

@@ -13,7 +13,14 @@ import torch
 
 from stitch.config.options import LoraOptions
 from stitch.data.sentinels import SentinelError, SentinelIds, resolve_sentinels
-from stitch.model.loading import load_model, load_tokenizer, with_local_snapshot
+from stitch.model.loading import (
+    BackendError,
+    load_model,
+    load_tokenizer,
+    refused_by_backend,
+    with_backend,
+    with_local_snapshot,
+)
 from stitch.plugins.specs import EncoderSpec, ModelSpec
 
 
@@ -30,10 +37,12 @@ class ModelBinding:
 
     @classmethod
     def resolve(cls, host: Any, model: str, encoder: str, projector: str, dtype: torch.dtype = torch.float32,
-                device: str | torch.device | None = None, snapshot: Path | None = None) -> ModelBinding:
+                device: str | torch.device | None = None, snapshot: Path | None = None,
+                backend: str = "transformers") -> ModelBinding:
         """Look up the registrations by name and load the tokenizer (no model weights load here); ``snapshot``: a
-        local snapshot directory the model is read from instead of its source (checked here, before any load)."""
-        model_spec = host.get("models", model)
+        local snapshot directory the model is read from instead of its source; ``backend``: the LM implementation
+        (``ModelSpec.backends``); both checked here, before any load."""
+        model_spec = with_backend(host.get("models", model), backend)
         if snapshot is not None:
             model_spec = with_local_snapshot(model_spec, snapshot)
         return cls.for_spec(host, model_spec, encoder, projector, dtype, device)
@@ -62,8 +71,11 @@ class ModelBinding:
             from stitch.plugins.host import get_host
 
             host = get_host()
-        return cls.resolve(host, recipe.model, recipe.encoder, recipe.projector, dtype, device,
-                           snapshot=getattr(recipe, "model_snapshot", None))
+        backend = getattr(recipe, "model_backend", "transformers")
+        binding = cls.resolve(host, recipe.model, recipe.encoder, recipe.projector, dtype, device,
+                              snapshot=getattr(recipe, "model_snapshot", None), backend=backend)
+        check_stages_fit_backend(recipe, binding.model_spec)
+        return binding
 
     # -- text --------------------------------------------------------------------------------------
     @property
@@ -220,6 +232,21 @@ class ModelBinding:
             result = set_peft_model_state_dict(model.lm, state)
             if result.unexpected_keys:
                 raise RuntimeError(f"{step_dir / 'adapter'}: unexpected adapter keys {result.unexpected_keys[:5]}")
+
+
+def check_stages_fit_backend(recipe: Any, spec: ModelSpec) -> None:
+    """Refuse, before any weight loads, a recipe whose stages need what ``spec``'s backend cannot do: generation
+    (GRPO rollouts, a stage's ``eval_partition``)."""
+    why = refused_by_backend(spec, "generate")
+    if why is None:
+        return
+    stages = getattr(recipe, "stages", {}) or {}
+    needing = [f"stages.{name}" for name in stages if name == "grpo"]
+    needing += [f"stages.{name}.eval_partition" for name, opts in stages.items()
+                if name != "grpo" and getattr(opts, "eval_partition", None) is not None]
+    if needing:
+        raise BackendError(f"model.backend: {spec.backend!r} cannot generate, which {', '.join(needing)} need(s): "
+                           f"{why}")
 
 
 def hidden_size(lm: Any) -> int:

@@ -107,6 +107,40 @@ def with_local_snapshot(spec: ModelSpec, directory: Path | str) -> ModelSpec:
     return dataclasses.replace(spec, source=spec.source.with_local_path(str(directory.resolve())))
 
 
+class BackendError(ValueError):
+    """A recipe's ``model.backend`` that this model's plugin does not offer, or whose package is not installed."""
+
+
+def with_backend(spec: ModelSpec, backend: str) -> ModelSpec:
+    """``spec`` loading through its plugin's ``backend`` (``"transformers"``: as registered), its LoRA targets under
+    that backend's module names. Refused here, before any weight is read, when the plugin offers no such backend or
+    the package it needs does not import (the message names the extra to install)."""
+    import dataclasses
+    import importlib
+
+    if backend == "transformers":
+        return spec
+    offered = ["transformers", *spec.backends]
+    if backend not in spec.backends:
+        raise BackendError(f"model.backend: model {spec.name!r} offers the backends {offered}, not {backend!r}")
+    chosen = spec.backends[backend]
+    for module in chosen.requires:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any import failure means the backend cannot run here
+            raise BackendError(f"model.backend: {backend!r} for model {spec.name!r} needs the package {module!r}, "
+                               f"which does not import ({type(exc).__name__}: {str(exc)[:160]}); install it with "
+                               f"{chosen.install}") from None
+    return dataclasses.replace(spec, backend=backend, lora_target_modules=chosen.lora_target_modules)
+
+
+def refused_by_backend(spec: ModelSpec, feature: str) -> str | None:
+    """Why ``spec``'s backend cannot serve ``feature`` (``generate``, ``vllm``, ``export``, ``packing``), or None."""
+    if spec.backend == "transformers":
+        return None
+    return spec.backends[spec.backend].refuses.get(feature)
+
+
 class SafetensorsStateDict(Mapping[str, Any]):
     """A read-on-access view of a snapshot's safetensors shards (``model.safetensors`` or an index): an adapter's
     ``convert`` reads only the tensors it keeps. ``lazy``: values are safetensors slices that ``from_pretrained``
@@ -202,6 +236,10 @@ def load_model(
     """
     source = source or spec.source
     adapter = state_dict_adapter(spec, host)
+    if spec.backend != "transformers":
+        model = _load_through_backend(spec, adapter, source, dtype, trust_remote_code, device)
+        _check_hidden_size(spec, source, model)
+        return model
     if adapter is not None and spec.load is not None:
         raise ValueError(f"model {spec.name!r} declares both a custom load and the state-dict adapter "
                          f"{adapter.name!r}; the core applies adapters on its own load path only, so drop one")
@@ -220,6 +258,15 @@ def load_model(
         if device is not None:
             kwargs["device_map"] = device
         model = cls.from_pretrained(**kwargs, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
+    _check_hidden_size(spec, source, model)
+    for line in kernel_report(spec):
+        # said once at start-up: a hybrid model without its kernels is several times slower on a GPU
+        (log.warning if torch.cuda.is_available() else log.info)(line)
+    _fit_for_packing(spec, model)
+    return model
+
+
+def _check_hidden_size(spec: ModelSpec, source: ModelSource, model: Any) -> None:
     # every projector for this model is built to the declared width: refuse a checkpoint that differs
     actual = model.config.get_text_config().hidden_size
     if actual != spec.hidden_size:
@@ -227,11 +274,23 @@ def load_model(
             f"model {spec.name!r} declares hidden_size={spec.hidden_size} but {source.describe()} has "
             f"hidden_size={actual}; fix the ModelSpec (projectors are built to the declared width)"
         )
-    for line in kernel_report(spec):
-        # said once at start-up: a hybrid model without its kernels is several times slower on a GPU
-        (log.warning if torch.cuda.is_available() else log.info)(line)
-    _fit_for_packing(spec, model)
-    return model
+
+
+def _load_through_backend(spec: ModelSpec, adapter: StateDictAdapterSpec | None, source: ModelSource,
+                          dtype: torch.dtype, trust_remote_code: bool, device: str | None) -> Any:
+    """The spec's non-transformers backend fed the snapshot's text config and a lazy read of its weights in the
+    text layout (through the binding's state-dict adapter where the snapshot is in the adapter's source layout)."""
+    import transformers
+
+    snapshot = local_snapshot(source)
+    config = transformers.AutoConfig.from_pretrained(snapshot, trust_remote_code=trust_remote_code)
+    state_dict: Mapping[str, Any] = SafetensorsStateDict(snapshot, lazy=True)
+    if adapter is not None and (adapter.applies_to is None or adapter.applies_to(snapshot)):
+        state_dict = adapter.convert(state_dict)
+        if adapter.convert_config is not None:
+            config = adapter.convert_config(config, state_dict)
+    log.info("%s: loading %s through the %r backend", spec.name, source.describe(), spec.backend)
+    return spec.backends[spec.backend].load(spec, config.get_text_config(), state_dict, dtype, device)
 
 
 def _fit_for_packing(spec: ModelSpec, model: Any) -> None:
@@ -276,6 +335,8 @@ def packs_loaded(spec: ModelSpec, model: Any) -> bool:
     """Whether ``model`` (loaded from ``spec`` by ``load_model``, possibly wrapped since: peft, StitchedModel)
     trains on packed rows here: the binding packs natively (``supports_packing``), or its
     ``install_sample_starts`` reported at load time that it fitted this model with the sample-start path."""
+    if refused_by_backend(spec, "packing"):
+        return False
     if spec.supports_packing:
         return True
     return any(module in _WITH_SAMPLE_STARTS for module in model.modules())

@@ -117,6 +117,26 @@ class SentinelSpec:
 
 
 @dataclass(frozen=True)
+class ModelBackend:
+    """Another implementation of a binding's LM than its transformers class, chosen by ``model.backend``.
+
+    ``load(spec, config, state_dict, dtype, device)`` builds the model from the snapshot's (text) ``config`` and a
+    lazy read of its HF-layout ``state_dict`` (the core applies the binding's state-dict adapter first). ``requires``
+    are the imports that must succeed, ``install`` the pip line that provides it; ``lora_target_modules`` are the
+    spec's targets under this implementation's module names; ``refuses``: stitch features this backend cannot
+    serve (``generate``, ``vllm``, ``export``, ``packing``) -> why; the core refuses them before any weight loads.
+    """
+
+    name: str
+    load: Callable[..., Any]
+    requires: tuple[str, ...]
+    install: str
+    lora_target_modules: tuple[str, ...]
+    refuses: Mapping[str, str] = field(default_factory=dict)
+    description: str = ""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A base LM binding: how to load it, its LoRA targets (and the exclusions, with reasons), its tiny preset.
 
@@ -152,11 +172,17 @@ class ModelSpec:
     # writes a random-init snapshot in the published checkpoint layout (`stitch snapshot`):
     # snapshot(out_dir, layers=None, width=None, dtype=None, progress=None, max_shard_bytes=...) -> None
     snapshot: Callable[..., None] | None = None
+    # implementations other than the transformers class (``model.backend`` in a recipe): name -> ModelBackend
+    backends: Mapping[str, ModelBackend] = field(default_factory=dict)
+    # the backend this spec loads through; "transformers" is the class ``architecture`` (or ``load``)
+    backend: str = "transformers"
     description: str = ""
 
     def packs(self) -> bool:
         """Whether training can pack samples for this model on this machine (see ``packing_note`` when not);
         for a loaded model, ``stitch.model.loading.packs_loaded`` is the answer."""
+        if self.backend != "transformers":
+            return False  # no other backend packs yet (ModelBackend.refuses says why)
         return self.supports_packing or (self.packing_when is not None and bool(self.packing_when()))
 
 
