@@ -375,6 +375,10 @@ def main() -> None:
         for i, backend in enumerate(backends):
             log(f"-- {name} on {backend}")
             runs[backend] = run_model(name.strip(), args, host, device, backend, last=i == len(backends) - 1)
+            partial = runs[backend] if len(runs) == 1 else compare_backends(name.strip(), runs)
+            # written after every backend: a call cut short by its time limit keeps the backends it finished
+            (out / f"real_size_{name.strip()}.json").write_text(json.dumps({**partial, "machine": info}, indent=2)
+                                                               + "\n")
             gc.collect()  # the previous backend's model is gone before the next one loads
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
