@@ -57,7 +57,9 @@ def loss_and_lora_grads(spec, device: str = "cpu"):
         # differs (AutoModel builds the shared expert's up_proj first); lora_B nonzero so A's gradient is tested
         if "lora_" in name:
             seed = zlib.crc32(name.replace("shared_experts.", "shared_expert.").encode())
-            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+            draw = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02  # CPU generator
+            with torch.no_grad():
+                p.copy_(draw.to(p.device, p.dtype))
     model.train()
     loss, n = model.loss(batch)
     loss.backward()
