@@ -122,6 +122,14 @@ def test_automodel_backend_lora_adapter_saves_and_reloads_exactly(tmp_path):
     got = {n: p.detach() for n, p in reloaded.named_parameters() if "lora_" in n}
     assert set(got) == set(saved)
     assert all(torch.equal(got[n], saved[n]) for n in saved)
+    # the artifact says which implementation its adapter names belong to; serve/export refuse it, naming it
+    from stitch.model.artifacts import read_projector_manifest
+    from stitch.model.binding import ModelBinding
+
+    manifest = read_projector_manifest(tmp_path / "step" / "projector")
+    assert manifest["base_model_backend"] == "automodel"
+    with pytest.raises(BackendError, match="trained on model.backend 'automodel'"):
+        ModelBinding.for_artifact(manifest, "checkpoint step", host=host())
 
 
 def test_backend_the_plugin_does_not_offer_is_refused_by_name():

@@ -189,3 +189,10 @@ def test_grpo_with_the_vllm_engine_trains_and_reports_parity_with_the_training_f
     rows = [json.loads(line) for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["parity_max_abs_logprob"] < 1e-3 for r in rows), [r["parity_max_abs_logprob"] for r in rows]
     assert all(r["completion_tokens"] > 0 for r in rows)
+
+
+def test_vllm_seeded_sampling_is_the_same_whatever_the_engine_sampled_before(setup):
+    seeded = [c.token_ids for c in setup.engine.generate(setup.prompts[:2], 3, 5, temperature=1.0, seed=21)]
+    setup.engine.generate(setup.prompts[:2], 3, 5, temperature=1.0)  # the engine's own stream moves on
+    assert [c.token_ids for c in setup.engine.generate(setup.prompts[:2], 3, 5, temperature=1.0, seed=21)] == seeded
+    assert [c.token_ids for c in setup.engine.generate(setup.prompts[:2], 3, 5, temperature=1.0, seed=22)] != seeded

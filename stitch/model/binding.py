@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,11 @@ from stitch.config.options import LoraOptions
 from stitch.data.sentinels import SentinelError, SentinelIds, resolve_sentinels
 from stitch.model.loading import (
     BackendError,
+    SnapshotError,
     load_model,
     load_tokenizer,
     refused_by_backend,
+    source_fingerprint,
     with_backend,
     with_local_snapshot,
 )
@@ -34,10 +37,13 @@ class ModelBinding:
     sentinel_ids: SentinelIds
     dtype: torch.dtype
     device: torch.device
+    # the local snapshot directory (a recipe's model.snapshot) the spec reads from instead of its registered source;
+    # provenance records it, so serving, export and Ray workers read the same base
+    snapshot: Path | None = None
 
     @classmethod
     def resolve(cls, host: Any, model: str, encoder: str, projector: str, dtype: torch.dtype = torch.float32,
-                device: str | torch.device | None = None, snapshot: Path | None = None,
+                device: str | torch.device | None = None, snapshot: Path | str | None = None,
                 backend: str = "transformers") -> ModelBinding:
         """Look up the registrations by name and load the tokenizer (no model weights load here); ``snapshot``: a
         local snapshot directory the model is read from instead of its source; ``backend``: the LM implementation
@@ -45,12 +51,44 @@ class ModelBinding:
         model_spec = with_backend(host.get("models", model), backend)
         if snapshot is not None:
             model_spec = with_local_snapshot(model_spec, snapshot)
-        return cls.for_spec(host, model_spec, encoder, projector, dtype, device)
+            snapshot = Path(snapshot).resolve()
+        return cls.for_spec(host, model_spec, encoder, projector, dtype, device, snapshot=snapshot)
+
+    @classmethod
+    def for_artifact(cls, manifest: dict[str, Any], where: str, host: Any = None, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device | None = None) -> ModelBinding:
+        """The binding a projector artifact's ``manifest`` was trained with: its registered names and the local
+        snapshot it recorded, which must still be at that path and hold the same base (its fingerprint); both are
+        checked here, before any model weights load. ``where`` names the artifact in errors."""
+        from stitch.model.artifacts import check_provenance
+
+        if host is None:
+            from stitch.plugins.host import get_host
+
+            host = get_host()
+        snapshot = manifest.get("base_model_snapshot")
+        if snapshot is not None and not Path(snapshot).is_dir():
+            raise SnapshotError(
+                f"{where}: model {manifest['base_model']!r} was trained from the local snapshot {snapshot!r}, which "
+                f"is not there any more (moved or deleted); put that snapshot back at {snapshot!r} to serve, export "
+                f"or evaluate this checkpoint (another base would not match the trained projector and adapter)")
+        backend = manifest.get("base_model_backend", "transformers")
+        if backend != "transformers":
+            raise BackendError(
+                f"{where}: trained on model.backend {backend!r}; serving, export and evaluation load the checkpoint "
+                f"on the transformers backend, which can generate, and this backend's adapter key names (e.g. "
+                f"'shared_experts') are not mapped to it yet. Train on model.backend: transformers to serve or export "
+                f"the result")
+        binding = cls.resolve(host, manifest["base_model"], manifest["encoder"], manifest["projector_type"], dtype,
+                              device, snapshot=snapshot)
+        check_provenance(manifest, binding.base_identity(), where)
+        return binding
 
     @classmethod
     def for_spec(cls, host: Any, model_spec: ModelSpec, encoder: str, projector: str,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None) -> ModelBinding:
-        """``resolve`` for a model spec already in hand (e.g. one pointed at a local snapshot)."""
+                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+                 snapshot: Path | None = None) -> ModelBinding:
+        """``resolve`` for a model spec already in hand (e.g. one pointed at the local snapshot ``snapshot``)."""
         encoder_spec = host.get("encoders", encoder)
         host.get("projectors", projector)
         tokenizer = load_tokenizer(model_spec)
@@ -62,7 +100,7 @@ class ModelBinding:
                                 f"tokens (ids {control}) in {model_spec.source.describe()}; this tokenizer redefined "
                                 f"them, so pick other sentinels or restore its pad/eos tokens")
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        return cls(host, model_spec, encoder_spec, projector, tokenizer, sentinel_ids, dtype, dev)
+        return cls(host, model_spec, encoder_spec, projector, tokenizer, sentinel_ids, dtype, dev, snapshot)
 
     @classmethod
     def for_recipe(cls, recipe: Any, host: Any = None, dtype: torch.dtype = torch.float32,
@@ -156,10 +194,28 @@ class ModelBinding:
         return model.to(self.device)
 
     # -- provenance --------------------------------------------------------------------------------
+    @cached_property
+    def base_fingerprint(self) -> str | None:
+        """The base snapshot's identity (``stitch.model.loading.snapshot_fingerprint``; None for a hub source, whose
+        pinned revision is its identity). Computing it may build a tiny preset, as loading it would."""
+        return source_fingerprint(self.model_spec.source)
+
+    def base_identity(self) -> dict[str, Any]:
+        """What provenance records about the base LM beyond its registered name: where it was read from and what
+        it held."""
+        base = self.model_spec.source.identity()
+        return {
+            "base_model_id": base["id"],
+            "base_model_revision": base["revision"],
+            "base_model_snapshot": str(self.snapshot) if self.snapshot is not None else None,
+            "base_model_fingerprint": self.base_fingerprint,
+            # the LM implementation the adapter was trained on: its module names are the adapter's key names
+            "base_model_backend": self.model_spec.backend,
+        }
+
     def provenance(self, hidden: int, stage: str) -> dict[str, Any]:
         """What a projector artifact records about the run that wrote it."""
         enc = self.encoder_spec.source.identity()
-        base = self.model_spec.source.identity()
         return {
             "encoder": self.encoder_spec.name,
             "encoder_id": enc["id"],
@@ -168,8 +224,7 @@ class ModelBinding:
             "tokens_per_item": self.encoder_spec.tokens_per_item,
             "projector_type": self.projector_type,
             "base_model": self.model_spec.name,
-            "base_model_id": base["id"],
-            "base_model_revision": base["revision"],
+            **self.base_identity(),
             "hidden_size": hidden,
             "sentinel_ids": self.sentinel_ids.as_dict(),
             "stage": stage,
@@ -182,6 +237,7 @@ class ModelBinding:
             "lora_alpha": lora.alpha,
             "target_modules": list(self.model_spec.lora_target_modules),
             "base_model": self.model_spec.name,
+            "base_model_fingerprint": self.base_fingerprint,
             "feature_width": self.encoder_spec.feature_width,
             "tokens_per_item": self.encoder_spec.tokens_per_item,
             "sentinel_ids": self.sentinel_ids.as_dict(),

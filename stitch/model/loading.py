@@ -141,6 +141,42 @@ def refused_by_backend(spec: ModelSpec, feature: str) -> str | None:
     return spec.backends[spec.backend].refuses.get(feature)
 
 
+_SAMPLED_BYTES = 1 << 20  # of each weight file's tensor data, at its start, middle and end
+
+
+def snapshot_fingerprint(directory: Path | str) -> str:
+    """The identity provenance records for a local snapshot: sha256 over its top-level json files (config, weight
+    index, tokenizer, generation config) and, per safetensors file, its name, size, header and 1 MiB of tensor bytes
+    at the start, middle and end. A different config, tokenizer, layout or dtype, or re-initialised or re-trained
+    weights, change it; it reads a few MiB per shard, not the shards (an edit confined to the unsampled middle of a
+    shard is not seen)."""
+    import hashlib
+
+    directory = Path(directory)
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("*.json")) + sorted(directory.glob("*.safetensors")):
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as handle:
+            if path.suffix == ".json":
+                digest.update(handle.read())
+                continue
+            header = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(header))
+            start, size = 8 + header, path.stat().st_size
+            for offset in (start, start + (size - start) // 2, size - _SAMPLED_BYTES):
+                handle.seek(max(start, offset))
+                digest.update(handle.read(_SAMPLED_BYTES))
+    return digest.hexdigest()
+
+
+def source_fingerprint(source: ModelSource) -> str | None:
+    """``snapshot_fingerprint`` of a source read from a local directory (a snapshot path, a built preset); None for
+    a hub repo, whose pinned revision is already its identity (nothing is downloaded here)."""
+    if source.local_path is None and source.builder is None:
+        return None
+    return snapshot_fingerprint(source.pretrained_kwargs()["pretrained_model_name_or_path"])
+
+
 class SafetensorsStateDict(Mapping[str, Any]):
     """A read-on-access view of a snapshot's safetensors shards (``model.safetensors`` or an index): an adapter's
     ``convert`` reads only the tensors it keeps. ``lazy``: values are safetensors slices that ``from_pretrained``

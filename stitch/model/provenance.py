@@ -1,5 +1,6 @@
 """The warm-start gate: a donor checkpoint's adapter and projector must match this run before any model
-weights load (rank, alpha, exact target set, base model, feature width, tokens per item, sentinels)."""
+weights load (rank, alpha, exact target set, base model and its snapshot's identity, feature width, tokens per
+item, sentinels)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 def check_warm_start(step_dir: Path, expected: dict[str, Any]) -> None:
     """Compare the donor ``step_dir`` (adapter/ + projector/) with ``expected``; refuse the first mismatch.
 
-    ``expected`` keys: lora_r, lora_alpha, target_modules (set), base_model, feature_width, tokens_per_item,
-    sentinel_ids (dict), projector_type.
+    ``expected`` keys: lora_r, lora_alpha, target_modules (set), base_model, base_model_fingerprint (the base
+    snapshot's identity), feature_width, tokens_per_item, sentinel_ids (dict), projector_type.
     """
     adapter = _read_json(step_dir / "adapter" / "adapter_config.json")
     projector = _read_json(step_dir / "projector" / "manifest.json")
@@ -31,6 +32,7 @@ def check_warm_start(step_dir: Path, expected: dict[str, Any]) -> None:
         "lora_alpha": adapter.get("lora_alpha"),
         "target_modules": sorted(adapter.get("target_modules") or []),
         "base_model": projector.get("base_model"),
+        "base_model_fingerprint": projector.get("base_model_fingerprint"),
         "feature_width": projector.get("feature_width"),
         "tokens_per_item": projector.get("tokens_per_item"),
         "sentinel_ids": projector.get("sentinel_ids"),

@@ -223,7 +223,10 @@ class RolloutPayloadSpec:
 
 @dataclass(frozen=True)
 class RolloutEngineSpec:
-    """A generation backend: ``factory(model, tokenizer, **options)`` returns an engine."""
+    """A generation backend: ``factory(lm, pad_id=, eos_id=, suppress_ids=)`` returns an engine with
+    ``generate(prompt_embeds, n, max_new_tokens, temperature=1.0, greedy=False, seed=None)`` and ``refit(weights)``;
+    given a ``seed``, ``generate`` samples from it alone (GRPO passes one per step: a resumed run replays its
+    rollouts)."""
 
     name: str
     factory: Callable[..., Any]

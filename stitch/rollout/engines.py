@@ -6,17 +6,47 @@ encoder names (built and validated there), so no engine sees raw media, cached f
 The embedded engine decodes on the policy itself, so a refit is a no-op: on a fixed-size KV cache with each decode
 step replayed as a CUDA graph (``stitch.rollout.decode``) where the model's layers allow it, else with transformers
 ``generate(inputs_embeds=...)``. Engines that hold their own weights (vLLM) receive merged weights through ``refit``.
+
+Every engine's ``generate(prompt_embeds, n, max_new_tokens, temperature=1.0, greedy=False, seed=None)`` samples
+from ``seed`` alone when given one (GRPO passes ``sampling_seed(run seed, step)``), so a step's rollouts are the
+same whatever ran before it: after a resume, and in processes (Ray workers, a vLLM engine) whose RNG no
+checkpoint holds. ``seed=None`` draws from the process's RNG.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from stitch.rollout.decode import StaticDecoder, static_decode_unsupported
+
+
+def sampling_seed(*parts: object) -> int:
+    """A 62-bit seed derived from ``parts`` (run seed, step, replica rank, prompt index): independent streams for
+    distinct parts, the same seed for the same parts in any process."""
+    digest = hashlib.sha256("\0".join(map(repr, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Inside: the CPU generator and ``device``'s CUDA generator seeded from ``seed``; after: both as they were
+    (the trainer's RNG stream, which its checkpoints hold, is not disturbed). ``None``: the process's RNG as is."""
+    if seed is None:
+        yield
+        return
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)  # this device's generator only
+        yield
 
 
 @dataclass
@@ -68,7 +98,12 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def generate(self, prompt_embeds: list[torch.Tensor], n: int, max_new_tokens: int,
-                 temperature: float = 1.0, greedy: bool = False) -> list[Completion]:
+                 temperature: float = 1.0, greedy: bool = False, seed: int | None = None) -> list[Completion]:
+        with seeded_rng(seed, prompt_embeds[0].device):
+            return self._generate(prompt_embeds, n, max_new_tokens, temperature, greedy)
+
+    def _generate(self, prompt_embeds: list[torch.Tensor], n: int, max_new_tokens: int, temperature: float,
+                  greedy: bool) -> list[Completion]:
         pad = self.lm.get_input_embeddings()(torch.tensor([self.pad_id], device=prompt_embeds[0].device))[0]
         embeds, mask = left_pad(prompt_embeds, pad)
         if self.decoder is not None:

@@ -4,9 +4,14 @@
 ``generate`` / ``refit`` interface. It reserves one placement-group bundle for the policy (this process: it
 embeds the prompts, scores and trains) and one per rollout replica (``parallel.rollout_replicas``; a GPU each
 where the cluster has GPUs, else CPU bundles). Each worker builds its own engine, ``embedded`` or ``vllm`` as
-the recipe's ``engine`` says, from the base model snapshot (``embedded``: the model plugin's loader; ``vllm``:
-the policy's text config) plus the policy's *merged* weights (LoRA folded in by :func:`merged_state_dict`):
-no adapter object ever reaches an engine.
+the recipe's ``engine`` says, from the base model snapshot the policy was loaded from (``embedded``: the model
+plugin's loader on the same registered model and local snapshot, checked by fingerprint; ``vllm``: the policy's
+text config) plus the policy's *merged* weights (LoRA folded in by :func:`merged_state_dict`): no adapter object
+ever reaches an engine.
+
+Sampling is seeded per call: ``generate(..., seed=s)`` makes replica ``r`` sample from ``sampling_seed(s, r)``,
+so a step's rollouts depend on the step's seed alone, not on what the worker generated before (a worker's RNG
+is in no checkpoint, so a resumed run could not replay it otherwise).
 
 Weights travel by a collective broadcast, not through Ray's object store: the policy process (rank 0) and
 the workers (ranks 1..N) form one ``torch.distributed`` process group (gloo on CPU, nccl when policy and
@@ -33,7 +38,7 @@ from typing import Any
 
 import torch
 
-from stitch.rollout.engines import Completion
+from stitch.rollout.engines import Completion, sampling_seed
 from stitch.rollout.vllm_engine import RefitError, merged_state_dict, write_engine_config
 
 BUCKET_BYTES = 256 << 20  # one broadcast carries at most this much (a larger single tensor goes alone)
@@ -157,7 +162,8 @@ class RolloutWorker:
 
     def __init__(self, rank: int, *, engine: str, model: str, dtype: str, pad_id: int, eos_id: int | None,
                  suppress_ids: Sequence[int], engine_config: dict[str, Any] | None, vocab_size: int | None,
-                 env: Mapping[str, str], seed: int, engine_options: Mapping[str, Any] | None = None) -> None:
+                 env: Mapping[str, str], seed: int, engine_options: Mapping[str, Any] | None = None,
+                 snapshot: str | None = None) -> None:
         os.environ.update(env)
         self.rank = rank
         self.engine_name = engine
@@ -170,16 +176,21 @@ class RolloutWorker:
         self.device = torch.device("cuda:0" if self.gpu_ids and torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        torch.manual_seed(seed + rank)  # replicas sample independently, reproducibly
+        torch.manual_seed(sampling_seed(seed, rank))  # for calls without a seed
         self.engine: Any = None
         self.group: Any = None
         self.lm: Any = None
         self.expected: dict[str, tuple[int, ...]] | None = None
-        if engine != "vllm":  # an engine on a transformers LM: the base snapshot, through the model plugin
-            from stitch.model.loading import load_model
+        self.base_fingerprint: str | None = None
+        if engine != "vllm":  # an engine on a transformers LM: the policy's base snapshot, through the model plugin
+            from stitch.model.loading import load_model, source_fingerprint, with_local_snapshot
             from stitch.plugins.host import get_host
 
-            self.lm = load_model(get_host().get("models", model), dtype=self.dtype).to(self.device).eval()
+            spec = get_host().get("models", model)
+            if snapshot is not None:  # the recipe's model.snapshot, as the policy read it (refused here if absent)
+                spec = with_local_snapshot(spec, snapshot)
+            self.base_fingerprint = source_fingerprint(spec.source)
+            self.lm = load_model(spec, dtype=self.dtype).to(self.device).eval()
             self.lm.requires_grad_(False)
             self.expected = {n: tuple(t.shape) for n, t in self.lm.state_dict().items()}
 
@@ -196,7 +207,7 @@ class RolloutWorker:
 
     def describe(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "gpu_ids": self.gpu_ids,
-                "expected": self.expected}
+                "expected": self.expected, "base_fingerprint": self.base_fingerprint}
 
     def join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> int:
         import torch.distributed as dist
@@ -242,11 +253,15 @@ class RolloutWorker:
                           **self.engine_options)
 
     def generate(self, prompt_embeds: list[torch.Tensor], n: int, max_new_tokens: int, temperature: float = 1.0,
-                 greedy: bool = False) -> list[Completion]:
+                 greedy: bool = False, seed: int | None = None) -> list[Completion]:
+        """``seed``: this call's sampling seed (GRPO's per-step seed); the replica samples from
+        ``sampling_seed(seed, rank)``, so replicas differ and a call does not depend on earlier ones. None: from
+        the worker's own RNG, seeded once at start (what it draws then depends on the calls before)."""
         if self.engine is None:
             raise RuntimeError(f"rollout worker {self.rank} has no weights yet")
         prompts = [e.to(self.device) for e in prompt_embeds]
-        return self.engine.generate(prompts, n, max_new_tokens, temperature, greedy=greedy)
+        return self.engine.generate(prompts, n, max_new_tokens, temperature, greedy=greedy,
+                                    seed=None if seed is None else sampling_seed(seed, self.rank))
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
@@ -258,6 +273,22 @@ class RolloutWorker:
 
 
 # -- the driver side --------------------------------------------------------------------------------------
+
+
+def check_worker_bases(infos: Sequence[Mapping[str, Any]], model: str, snapshot: Path | str | None,
+                       fingerprint: str | None) -> None:
+    """Refuse workers whose base LM is not the policy's: a worker that loaded one (``embedded``) must report the
+    policy's base fingerprint (a snapshot path that holds other files on another node, a preset built otherwise)."""
+    if fingerprint is None:
+        return
+    for info in infos:
+        got = info.get("base_fingerprint")
+        if got is not None and got != fingerprint:
+            where = f"the local snapshot {str(snapshot)!r}" if snapshot is not None else "its registered source"
+            raise RefitError(f"rollout worker {info['rank']} loaded model {model!r} from {where} with fingerprint "
+                             f"{got[:16]}..., but the policy's base has {fingerprint[:16]}...; every worker must read "
+                             f"the same snapshot the policy trains on (same files on every node)")
+
 
 
 def _physical_gpu() -> str | None:
@@ -273,7 +304,8 @@ class RayRolloutEngine:
 
     ``lm`` is the live policy LM (peft or plain) in this process: ``refit(None)`` merges it and broadcasts the
     result. ``engine`` names the engine each worker builds (``embedded`` or ``vllm``); ``model`` the model
-    plugin registration the workers load the base snapshot from. Call :meth:`close` (or use it as a context
+    plugin registration the workers load the base from, and ``snapshot`` the local snapshot directory that
+    replaced its source (the recipe's model.snapshot), whose ``base_fingerprint`` every worker must reproduce. Call :meth:`close` (or use it as a context
     manager) to stop the workers, leave the group and remove the placement group.
     """
 
@@ -283,7 +315,8 @@ class RayRolloutEngine:
                  suppress_ids: Sequence[int] = (), replicas: int = 1, gpus_per_replica: int = 1,
                  policy_gpus: int = 1, seed: int = 0, bucket_bytes: int = BUCKET_BYTES,
                  timeout_s: float = 600.0, ready_timeout_s: float = 120.0,
-                 engine_options: Mapping[str, Any] | None = None) -> None:
+                 engine_options: Mapping[str, Any] | None = None, snapshot: Path | str | None = None,
+                 base_fingerprint: str | None = None) -> None:
         try:
             import ray
         except ImportError as exc:
@@ -329,8 +362,10 @@ class RayRolloutEngine:
                     num_cpus=1, num_gpus=gpus_per_replica if use_gpu else 0, scheduling_strategy=strategy,
                 ).remote(1 + i, engine=engine, model=model, dtype=str(self.dtype).removeprefix("torch."),
                          pad_id=pad_id, eos_id=eos_id, suppress_ids=list(suppress_ids), engine_config=engine_config,
-                         vocab_size=vocab, env=env, seed=seed, engine_options=engine_options))
+                         vocab_size=vocab, env=env, seed=seed, engine_options=engine_options,
+                         snapshot=None if snapshot is None else str(snapshot)))
             self.infos = ray.get([w.describe.remote() for w in self.workers])
+            check_worker_bases(self.infos, model, snapshot, base_fingerprint)
             mine = _physical_gpu() if self.backend == "nccl" else None
             for info in self.infos:
                 if mine is not None and mine in info["gpu_ids"]:
@@ -406,8 +441,9 @@ class RayRolloutEngine:
         ray.get(pending)
 
     def generate(self, prompt_embeds: list[torch.Tensor], n: int, max_new_tokens: int, temperature: float = 1.0,
-                 greedy: bool = False) -> list[Completion]:
-        """Completions for every prompt (``n`` each), in prompt order, with the engines' log-probs."""
+                 greedy: bool = False, seed: int | None = None) -> list[Completion]:
+        """Completions for every prompt (``n`` each), in prompt order, with the engines' log-probs; ``seed``: the
+        call's sampling seed (each replica samples from it and its rank, see :meth:`RolloutWorker.generate`)."""
         import ray
 
         count, replicas = len(prompt_embeds), len(self.workers)
@@ -416,7 +452,7 @@ class RayRolloutEngine:
             size = count // replicas + (1 if r < count % replicas else 0)
             if size:
                 chunk = [e.detach().cpu() for e in prompt_embeds[start:start + size]]
-                pending.append((start, worker.generate.remote(chunk, n, max_new_tokens, temperature, greedy)))
+                pending.append((start, worker.generate.remote(chunk, n, max_new_tokens, temperature, greedy, seed)))
             start += size
         results = ray.get([ref for _, ref in pending])
         return [Completion(c.prompt_index + offset, c.token_ids, c.logprobs)

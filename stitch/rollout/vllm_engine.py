@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from stitch.model.merge import MergeError, lora_deltas, merge_into_state_dict
-from stitch.rollout.engines import Completion
+from stitch.rollout.engines import Completion, sampling_seed
 
 _LISTED = 8  # names shown in an error before "... and N more"
 
@@ -256,10 +256,13 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, prompt_embeds: list[torch.Tensor], n: int, max_new_tokens: int,
-                 temperature: float = 1.0, greedy: bool = False) -> list[Completion]:
+                 temperature: float = 1.0, greedy: bool = False, seed: int | None = None) -> list[Completion]:
+        """``seed``: prompt ``i`` samples from vLLM's per-request generator seeded ``sampling_seed(seed, i)`` (its
+        ``n`` samples from that plus 0..n-1), so the call does not depend on the engine's earlier ones; None: from
+        the engine's own RNG."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
+        params = dict(
             n=n,
             temperature=0.0 if greedy else temperature,
             top_p=1.0,
@@ -272,8 +275,10 @@ class VLLMEngine:
             detokenize=False,
             allowed_token_ids=self.allowed_ids,
         )
+        per_prompt = [SamplingParams(**params, seed=None if seed is None else sampling_seed(seed, i))
+                      for i in range(len(prompt_embeds))]
         prompts = [{"prompt_embeds": e.detach().to(device="cpu", dtype=self.dtype)} for e in prompt_embeds]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
         completions = []
         for index, output in enumerate(outputs):
             for sample in sorted(output.outputs, key=lambda s: s.index):

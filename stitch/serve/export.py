@@ -25,24 +25,22 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, dtype: torch.dtype = t
     from peft import PeftModel
 
     from stitch.data.collator import media_block
-    from stitch.data.sentinels import resolve_sentinels
-    from stitch.model.loading import load_model, load_tokenizer
-    from stitch.plugins.host import get_host
+    from stitch.model.binding import ModelBinding
     from stitch.serve.inference import resolve_checkpoint
 
     resolved = resolve_checkpoint(Path(checkpoint))
     projector_manifest = json.loads((resolved.projector_dir / "manifest.json").read_text())
-    host = get_host()
-    model_spec = host.get("models", projector_manifest["base_model"])
-    encoder_spec = host.get("encoders", projector_manifest["encoder"])
-    tokenizer = load_tokenizer(model_spec)
-    sentinel_spec = host.get("token_sentinels", model_spec.sentinels)
-    sentinel_ids = resolve_sentinels(sentinel_spec, tokenizer)
+    # the base the run trained on: its recorded snapshot, checked against its fingerprint before any weight loads
+    binding = ModelBinding.for_artifact(projector_manifest, f"checkpoint {resolved.step_dir}", dtype=dtype,
+                                        device="cpu")
+    model_spec, encoder_spec, tokenizer = binding.model_spec, binding.encoder_spec, binding.tokenizer
+    sentinel_spec = binding.host.get("token_sentinels", model_spec.sentinels)
+    sentinel_ids = binding.sentinel_ids
     if sentinel_ids.as_dict() != projector_manifest["sentinel_ids"]:
         raise ValueError(f"{resolved.projector_dir}: the projector was trained with sentinel ids "
                          f"{projector_manifest['sentinel_ids']}, but {model_spec.name}'s tokenizer gives "
                          f"{sentinel_ids.as_dict()}")
-    lm = load_model(model_spec, dtype=dtype)
+    lm = binding.load_lm()
     merged = PeftModel.from_pretrained(lm, str(resolved.adapter_dir)).merge_and_unload()
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -57,6 +55,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, dtype: torch.dtype = t
             "format": EXPORT_FORMAT,
             "checkpoint": str(resolved.step_dir),
             "base_model": model_spec.name,
+            "base_model_source": binding.base_identity(),  # the snapshot it was read from and its fingerprint
             "architecture": type(merged).__name__,
             "encoder": {"name": encoder_spec.name, "id": source["id"], "revision": source["revision"],
                         "modality": encoder_spec.modality, "feature_width": encoder_spec.feature_width,

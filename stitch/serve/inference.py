@@ -55,16 +55,15 @@ def resolve_checkpoint(path: Path) -> ResolvedCheckpoint:
 
 class Stitched:
     """A servable model: encoder + projector + merged LM, with the rollout prompt renderer. The model binding is
-    resolved from the names the projector artifact records, the same one the stages trained with."""
+    resolved from what the projector artifact records (names, and the local base snapshot the run read, checked
+    against its fingerprint), the same one the stages trained with."""
 
     def __init__(self, checkpoint: Path, engine: str = "embedded", device: str | None = None) -> None:
         from stitch.model.binding import ModelBinding
-        from stitch.plugins.host import get_host
 
         self.checkpoint = resolve_checkpoint(checkpoint)
         manifest = json.loads((self.checkpoint.projector_dir / "manifest.json").read_text())
-        self.binding = ModelBinding.resolve(get_host(), manifest["base_model"], manifest["encoder"],
-                                            manifest["projector_type"], device=device)
+        self.binding = ModelBinding.for_artifact(manifest, f"checkpoint {self.checkpoint.step_dir}", device=device)
         lm = self.binding.load_lm()
         self.merged_weights = merge_adapter_into_model(lm, self.checkpoint.adapter_dir)
         lm.eval()

@@ -18,6 +18,7 @@ import torch
 
 from stitch.config.recipe import RecipeError
 from stitch.data.packing import Sample, collate_packs
+from stitch.rollout.engines import sampling_seed
 from stitch.rollout.prompts import payload_for, prompt_embeddings
 from stitch.runs.checkpoint import random_from_json, random_to_json
 from stitch.stages.logprobs import token_logprobs
@@ -147,7 +148,9 @@ class GRPOStage(Stage):
             from stitch.rollout.ray_rollout import RayRolloutEngine
 
             self.engine = RayRolloutEngine.for_recipe(ctx.recipe, lm, engine=opts.engine,
-                                                      model=binding.model_spec.name, seed=opts.seed, **common)
+                                                      model=binding.model_spec.name, snapshot=binding.snapshot,
+                                                      base_fingerprint=binding.base_fingerprint, seed=opts.seed,
+                                                      **common)
             ctx.cleanup.callback(self.engine.close)
         else:
             self.engine = binding.host.get("rollout_engines", opts.engine).factory(lm, **common)
@@ -164,7 +167,9 @@ class GRPOStage(Stage):
             prompts = [(row.id, session.prompt_ids(row.question, row.num_items), session.data.features(row))
                        for row in drawn]
             embeds = prompt_embeddings(self.payload, model, prompts)
-            completions = self.engine.generate(embeds, opts.group_size, opts.max_new_tokens, opts.temperature)
+            # seeded by (run seed, step): the same rollouts after a resume, whichever engine or process samples
+            completions = self.engine.generate(embeds, opts.group_size, opts.max_new_tokens, opts.temperature,
+                                               seed=sampling_seed(opts.seed, "rollout", ctx.step))
         self.timings["rollout"] += time.perf_counter() - t0
         texts = session.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         rewards = torch.tensor([self.task.reward(text, drawn[c.prompt_index].task_row())
