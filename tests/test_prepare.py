@@ -184,12 +184,15 @@ def test_sigkilled_prepare_leaves_only_whole_shards_and_resumes_to_the_same_outp
         env={**os.environ}, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    shards = sorted(p.name for p in (out / CACHE_DIRNAME).iterdir() if p.suffix == ".safetensors")
-    assert len(shards) == 2  # the shard being encoded was never renamed into place
+    files = sorted(p.name for p in (out / CACHE_DIRNAME).iterdir() if p.suffix == ".safetensors")
+    whole = [name for name in files if not name.startswith(".tmp-")]
+    # the shard being encoded (the third) never lands; the second may still have been in the writer thread, so
+    # it is whole or a partial file that no run may read
+    assert len(whole) in (1, 2) and len(files) - len(whole) <= 1, files
     recipe = load_recipe(recipe_path)
     resumed_encoder = CountingEncoder(clip)
     resumed = prepare(recipe, out, host=host_module, encoder=resumed_encoder, progress=False)
-    assert resumed.shards_reused == 2 and resumed_encoder.items == 24
+    assert resumed.shards_reused == len(whole) and resumed_encoder.items == 48 - 12 * len(whole)
     assert not [p for p in (out / CACHE_DIRNAME).iterdir() if p.name.startswith(".tmp-")]
     reference = tmp_path / "reference"
     prepare(recipe, reference, host=host_module, encoder=clip, progress=False)

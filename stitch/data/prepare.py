@@ -811,7 +811,7 @@ class _Preparation:
     def batch(self, items: list[Any]) -> Any:
         """What one encoder call takes: the list of decoded items, or preprocessed tensors stacked into one
         (in pinned memory when the encoder is on CUDA, so the copy to the device is asynchronous)."""
-        if not items or not isinstance(items[0], torch.Tensor):
+        if self.preprocess is None or not items:  # decode_item's items (a plugin's may differ in shape)
             return items
         out = torch.empty((len(items), *items[0].shape), dtype=items[0].dtype,
                           pin_memory=self.device.startswith("cuda") and torch.cuda.is_available())
