@@ -287,3 +287,12 @@ def test_config_package_imports_no_stage_serve_or_cli_module_even_inside_functio
             upward += [f"{source.name}: {n}" for n in names if n.split(".")[:2] in (
                 ["stitch", "stages"], ["stitch", "serve"], ["stitch", "cli"])]
     assert not upward
+
+
+def test_stitch_run_with_only_overrides_applies_them_to_the_default_recipe(tmp_path, monkeypatch, capsys):
+    """`stitch run key=value` overrides the default recipe `demo` (the first override is not a recipe name): a bad
+    key is refused as an override of demo, before any run directory exists."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err_text = run_cli(["run", "stages.sft.lr=1e-4", "--out", str(tmp_path / "run")], monkeypatch, capsys)
+    assert code == 2 and "unknown field 'stages.sft.lr'" in err_text and "(set by override" in err_text
+    assert not (tmp_path / "run").exists()

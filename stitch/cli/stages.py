@@ -58,7 +58,8 @@ def _print_summary(stage: str, summary: dict[str, Any]) -> None:
 
 @app.command()
 def run(
-    recipe: str = typer.Argument("demo", help="A registered recipe name or a YAML path."),
+    recipe: str = typer.Argument("demo", help="A registered recipe name or a YAML path (omit it to run `demo`, "
+                                              "overrides included: `stitch run stages.sft.steps=10`)."),
     overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP),
     out: Path = typer.Option(None, "--out", help="Run directory (default runs/<recipe name>)."),
     fresh: bool = typer.Option(False, "--fresh", help="Re-run stages whose summary already exists."),
@@ -67,6 +68,8 @@ def run(
     """The main job: prepare -> alignment -> SFT -> GRPO -> evaluation -> answers to a few held-out rows."""
     from stitch.stages.chain import run_chain
 
+    if "=" in recipe and not Path(recipe).exists():  # `stitch run key=value ...`: overrides of the default recipe
+        overrides, recipe = [recipe, *(overrides or [])], "demo"
     loaded = _load(recipe, overrides)
     out = out or Path("runs") / loaded.name
     from stitch.stages.chain import DEFAULT_STAGES
