@@ -481,11 +481,12 @@ def stock_transformers(model, attn: str):
     stitch_varlen), peft's own adapter compute (fp32 LoRA weights, activations cast to them) in place of
     StitchedModel's half-compute LoRA, transformers' own RMSNorm / MLP / RoPE in place of stitch_qwen's fused
     kernels. Yields a description of the LoRA compute; everything is switched back on exit."""
+    from stitch.model import causal_lm
     from stitch.model.precision import HalfComputeLinear, lora_in_half_compute, restore_peft_lora
     from stitch_qwen.kernels import restore_reference_kernels, use_fused_kernels
 
     lm = model.lm
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    base = causal_lm(lm)
     shipped_attn = base.config._attn_implementation
     base.set_attn_implementation(attn)
     swapped = [m for m in lm.modules() if isinstance(m, HalfComputeLinear)]

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stitch.model import causal_lm
+
 log = logging.getLogger("stitch")
 
 NAME = "stitch_varlen"
@@ -176,7 +178,7 @@ def register() -> str:
 def use_varlen_attention(lm: torch.nn.Module) -> bool:
     """Switch ``lm`` (a transformers model, or a peft model around one) to ``stitch_varlen`` when it runs SDPA or
     eager attention; returns whether it runs ``stitch_varlen`` now. Flash/flex choices are left as they are."""
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    base = causal_lm(lm)
     config = getattr(base, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if current == NAME:
@@ -192,5 +194,5 @@ def use_varlen_attention(lm: torch.nn.Module) -> bool:
 
 
 def runs_varlen_attention(lm: torch.nn.Module) -> bool:
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    base = causal_lm(lm)
     return getattr(getattr(base, "config", None), "_attn_implementation", None) == NAME

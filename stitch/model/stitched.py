@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stitch.model import causal_lm
 from stitch.model.attention import packed_call, use_varlen_attention
 from stitch.model.cross_entropy import linear_cross_entropy
 from stitch.model.precision import HALF, lora_in_half_compute, projector_in_half_compute
@@ -59,7 +60,7 @@ class StitchedModel(nn.Module):
         return self.logits(batch)
 
     def _causal_lm(self) -> nn.Module:
-        return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        return causal_lm(self.lm)
 
     def _run(self, module: nn.Module, batch: Any) -> tuple[Any, tuple[int, int] | None]:
         """``module`` (the LM or its decoder) on the batch; packed rows go as one row carrying the sample starts."""

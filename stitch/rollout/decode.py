@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stitch.model import causal_lm
+
 log = logging.getLogger("stitch")
 
 # model types whose decoder takes ``attention_mask={layer_type: mask}`` and ``position_ids`` as given and writes
@@ -33,10 +35,6 @@ log = logging.getLogger("stitch")
 MODEL_TYPES = ("qwen3", "qwen3_5_text", "qwen2", "llama")
 ATTENTION = ("sdpa", "stitch_varlen")  # both read a boolean mask; eager adds a float mask instead
 GRAPHS_KEPT = 2  # captured step graphs kept per engine (each holds its cache and a small memory pool)
-
-
-def causal_lm(lm: torch.nn.Module) -> torch.nn.Module:
-    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
 
 
 def static_decode_unsupported(lm: torch.nn.Module) -> str | None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from stitch.model import causal_lm
 from stitch.model.merge import MergeError, lora_deltas, merge_into_state_dict
 from stitch.rollout.engines import Completion, sampling_seed
 
@@ -74,17 +75,13 @@ def merged_state_dict(lm: torch.nn.Module) -> dict[str, torch.Tensor]:
     return merge_into_state_dict(base, deltas)
 
 
-def _base_model(lm: torch.nn.Module) -> torch.nn.Module:
-    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-
-
 def write_engine_config(lm: torch.nn.Module, out_dir: Path) -> Path:
     """``config.json`` of ``lm``'s text model, naming its causal-LM class (what vLLM builds), in ``out_dir``.
 
     Built from the live model's config rather than the snapshot's, so a text LM taken out of a native VLM
     checkpoint is served as the text LM whose weight names the policy (and the refit payload) uses.
     """
-    base = _base_model(lm)
+    base = causal_lm(lm)
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     config = copy.deepcopy(config)  # the live model's config stays as it is
     config.architectures = [type(base).__name__]

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stitch.model import causal_lm
+
 
 def launch_world_size() -> int:
     """WORLD_SIZE as torchrun set it (1 when the process was started any other way)."""
@@ -116,7 +118,7 @@ class DataParallel:
             model = binding.build_model(**args)
             if resume_from is not None:
                 binding.load_trainable(model, resume_from)
-            base = model.lm.get_base_model() if hasattr(model.lm, "get_base_model") else model.lm
+            base = causal_lm(model.lm)
             blueprint = [type(base), base.config]
         dist.broadcast_object_list(blueprint, src=0)
         if not self.is_main:
@@ -244,7 +246,7 @@ def _leave_group() -> None:
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
     """The LM's repeated blocks: the classes transformers marks ``_no_split_modules`` (its own FSDP/accelerate
     wrapping unit), else the entries of the ``layers`` ModuleList."""
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    base = causal_lm(lm)
     names = set(getattr(base, "_no_split_modules", None) or ())
     layers = [m for m in base.modules() if type(m).__name__ in names]
     if not layers:
