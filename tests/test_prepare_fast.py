@@ -192,7 +192,7 @@ def test_served_images_are_preprocessed_as_prepare_preprocessed_the_training_ima
 
     processor, encoder, _ = tiny
     spec = host_module.get("encoders", "clip-tiny")
-    preprocess = spec.load_preprocess(spec.source)
+    preprocess = spec.preprocess()
     raw = photo_bytes(1024, 768, "JPEG", seed=3)  # short side >= 448: drafted at 1/2 scale
     served = encode_item(spec, encoder, preprocess, raw)
     prepared = encoder.encode(torch.stack([preprocess(raw)])).float()

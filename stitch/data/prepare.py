@@ -587,7 +587,7 @@ class _Preparation:
         self._encoder = encoder
         self._encoder_ready = False
         # the encoder's preprocessing for worker processes (its processor config; the weights load only to encode)
-        self.preprocess = spec.load_preprocess(spec.source) if spec.load_preprocess is not None else None
+        self.preprocess = spec.preprocess()
         self.identity = encoder_identity(spec, self.data.feature_dtype, self.preprocess)
         self.provenance = {
             "encoder": spec.name,

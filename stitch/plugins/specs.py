@@ -100,6 +100,11 @@ class EncoderSpec:
     description: str = ""
     load_preprocess: Callable[[ModelSource], Callable[[Any], Any] | None] | None = None
 
+    def preprocess(self) -> Callable[[Any], Any] | None:
+        """This encoder's fixed-shape preprocessing for its own source (``load_preprocess``), or None: what
+        ``stitch prepare`` runs for the training features and ``stitch serve`` for a served item."""
+        return self.load_preprocess(self.source) if self.load_preprocess is not None else None
+
 
 @dataclass(frozen=True)
 class SentinelSpec:

@@ -100,7 +100,7 @@ class Stitched:
             self._encoder = spec.load(spec.source, device=self.device)
             # the preprocessing stitch prepare ran for the training features (e.g. CLIP's uint8 geometry with
             # JPEG draft decoding), so a served image is encoded as the training images were
-            self._preprocess = spec.load_preprocess(spec.source) if spec.load_preprocess is not None else None
+            self._preprocess = spec.preprocess()
         return encode_item(spec, self._encoder, self._preprocess, raw)
 
     @torch.no_grad()
