@@ -272,11 +272,10 @@ class StaticDecoder:
         row per step (finished rows too) from the fp32 softmax; greedy takes the argmax. Decoding stops once every
         row has sampled EOS (checked every ``stop_check_every`` steps: each check waits for the device; the steps
         past the stop are dropped). LoRA layers run on their merged rollout weights (``MergedAdapters``)."""
-        if self.merged is None or not self.merged.layers:
-            return self._decode(embeds, mask, n, max_new_tokens, eos_id, pad_id, suppress_ids, temperature, greedy,
-                                stop_check_every)
-        self.merged.refresh()
-        with self.merged.active():
+        folding = self.merged is not None and bool(self.merged.layers)
+        if folding:
+            self.merged.refresh()
+        with self.merged.active() if folding else contextlib.nullcontext():
             return self._decode(embeds, mask, n, max_new_tokens, eos_id, pad_id, suppress_ids, temperature, greedy,
                                 stop_check_every)
 
