@@ -155,14 +155,15 @@ def snapshot_fingerprint(directory: Path | str) -> str:
     directory = Path(directory)
     digest = hashlib.sha256()
     for path in sorted(directory.glob("*.json")) + sorted(directory.glob("*.safetensors")):
-        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
         with open(path, "rb") as handle:
             if path.suffix == ".json":
                 digest.update(handle.read())
                 continue
             header = int.from_bytes(handle.read(8), "little")
             digest.update(handle.read(header))
-            start, size = 8 + header, path.stat().st_size
+            start = 8 + header
             for offset in (start, start + (size - start) // 2, size - _SAMPLED_BYTES):
                 handle.seek(max(start, offset))
                 digest.update(handle.read(_SAMPLED_BYTES))

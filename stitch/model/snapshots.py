@@ -224,7 +224,7 @@ def write_random_weights(model: Any, out_dir: Path, *, rename: Callable[[str], s
                 on_disk += size
             if pending is not None:
                 pending.result()  # at most one shard waits for the disk while the next is initialised
-            pending = writer.submit(_write_shard, shard, file_name, home, out_dir, progress)
+            pending = writer.submit(_write_shard, shard, size, file_name, home, out_dir, progress)
             del shard
         if pending is not None:
             pending.result()
@@ -234,12 +234,12 @@ def write_random_weights(model: Any, out_dir: Path, *, rename: Callable[[str], s
     return plan
 
 
-def _write_shard(shard: dict[str, Any], file_name: str, home: Path, out_dir: Path,
+def _write_shard(shard: dict[str, Any], size: int, file_name: str, home: Path, out_dir: Path,
                  progress: Callable[[str], None] | None) -> None:
-    """One shard to ``home`` atomically (a partial file renamed into place), linked from ``out_dir`` if elsewhere."""
+    """One shard (``size`` bytes of tensors) to ``home`` atomically (a partial file renamed into place), linked from
+    ``out_dir`` if elsewhere."""
     from safetensors.torch import save_file
 
-    size = sum(t.numel() * t.element_size() for t in shard.values())
     tmp = home / f".{file_name}.partial"
     save_file(shard, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, home / file_name)
