@@ -71,6 +71,7 @@ import contextlib
 import importlib.util
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -394,7 +395,10 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
     n_warm = args.warmup if mode == "packed" else max(args.warmup, args.steps)
     args = argparse.Namespace(**{**vars(args), "warmup": n_warm})
 
+    host_s = []  # host time to build each batch and queue its copy (the GPU waits for it: steps are synced)
+
     def one_step():
+        t_host = time.perf_counter()
         batch, group = next_batch()
         if (
             clip is not None
@@ -403,6 +407,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
             pix = pixels[idx].to(device, non_blocking=True).to(torch.bfloat16)
             batch.features = clip_features(clip, pix, args.smoke)
         batch = batch.to(device)
+        host_s.append(time.perf_counter() - t_host)
         if mode == "llava":  # transformers computes the loss: full-vocabulary logits, upcast to fp32
             embeds = model.embed(batch.input_ids, batch.features, batch.row_ids)
             loss = model.lm(inputs_embeds=embeds, attention_mask=batch.attention_mask, labels=batch.labels,
@@ -432,6 +437,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
                 sq += sum(len(s) ** 2 for s in group)
                 labels += n_labels
                 n_samples += len(group)
+        syncs = count_syncs(one_step)
         profile = (
             profile_steps(one_step, args.profile)
             if args.profile and mode in args.profile_modes.split(",")
@@ -448,6 +454,9 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         "samples_per_s": round(n_samples / total, 2),
         "step_s_mean": round(total / steps, 4),
         "step_s_min": round(min(times), 4),
+        "step_s_median": round(statistics.median(times), 4),
+        "host_batch_s_median": round(statistics.median(host_s[args.warmup:args.warmup + steps]), 4),
+        "device_syncs_per_step": syncs,
         "real_tokens_per_step": round(real / steps, 1),
         "padded_tokens_per_step": round(padded / steps, 1),
         "padding_share": round(1 - real / padded, 4),
@@ -529,6 +538,7 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
             loss = one_step()
             sync()
             (warm if step < args.warmup else times).append(time.perf_counter() - t0)
+        syncs = count_syncs(one_step)
         if args.profile and "stock" in args.profile_modes.split(","):
             profile = profile_steps(one_step, args.profile)
     total, tokens = sum(times), args.rows * args.budget
@@ -539,6 +549,8 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
         "tokens_per_s": round(tokens_per_s, 1),
         "step_s_mean": round(total / len(times), 4),
         "step_s_min": round(min(times), 4),
+        "step_s_median": round(statistics.median(times), 4),
+        "device_syncs_per_step": syncs,
         "real_tokens_per_step": tokens,
         "padding_share": 0.0,
         "attn_implementation": args.attn,
@@ -553,6 +565,25 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
         "norm_mlp_rope": "transformers' own (stitch's fused kernels switched off for this mode)",
         **({"profile": profile} if profile else {}),
     }
+
+
+def count_syncs(one_step) -> int | None:
+    """Device synchronisations in one more step (torch's sync debug mode warns at each); None off a GPU. A sync
+    drains the launch queue, so the GPU idles while the host launches again: worth counting, not only timing."""
+    if not torch.cuda.is_available():
+        return None
+    import warnings
+
+    sync()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            one_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync()
+    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def profile_steps(one_step, steps: int, top: int = 30) -> dict:

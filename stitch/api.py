@@ -16,6 +16,7 @@ from stitch.model.snapshots import shrink_layer_pattern, write_random_weights
 from stitch.model.varlen import (
     fla_conv,
     fla_kernels_importable,
+    fla_seqlens,
     flatten_packed_rows,
     reference_conv,
     segments,
@@ -71,6 +72,7 @@ __all__ = [
     "write_random_weights",
     # packed training of hybrid layers: sample starts on one flattened row
     "fla_conv",
+    "fla_seqlens",
     "fla_kernels_importable",
     "flatten_packed_rows",
     "reference_conv",

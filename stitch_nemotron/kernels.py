@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stitch.api import fla_conv, flatten_packed_rows, reference_conv, segments
+from stitch.api import fla_conv, fla_seqlens, flatten_packed_rows, reference_conv, segments
 
 FLA = "fla"
 REFERENCE = "reference"
@@ -51,7 +51,7 @@ def reference_scan(q, k, v, g, cu_seqlens):
 def fla_scan(q, k, v, g, cu_seqlens):
     from fla.ops.simple_gla import chunk_simple_gla
 
-    o, _ = chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+    o, _ = chunk_simple_gla(q, k, v, g=g, scale=1.0, **fla_seqlens(cu_seqlens))
     return o
 
 

@@ -76,11 +76,29 @@ def reference_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out
 
 
+def fla_seqlens(cu_seqlens: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """``cu_seqlens`` as fla's varlen kernels take it: int64 on the device plus a host copy, made once per tensor.
+
+    Why: fla derives its chunk indices from ``cu_seqlens`` and caches them by the tensor's identity. Without a host
+    copy each derivation reads the device (a sync that drains the launch queue), and a fresh ``.long()`` per layer
+    misses that cache, so a 42-layer hybrid synchronised ~40 times a step. Memoised on the tensor itself, every
+    layer of one forward and its backward pass the same two objects: one copy to the host per forward, no sync
+    inside fla."""
+    if cu_seqlens is None:
+        return {"cu_seqlens": None, "cu_seqlens_cpu": None}
+    cached = getattr(cu_seqlens, "_stitch_fla_seqlens", None)
+    if cached is None:
+        wide = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.long()
+        cached = {"cu_seqlens": wide, "cu_seqlens_cpu": wide.cpu()}
+        cu_seqlens._stitch_fla_seqlens = cached
+    return cached
+
+
 def fla_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
              cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     from fla.modules.causal_conv1d import causal_conv1d
 
-    y, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens)
+    y, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation, **fla_seqlens(cu_seqlens))
     return y
 
 
