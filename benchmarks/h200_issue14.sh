@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_issue14.sh round3    # GPU tests, GRPO (grouped decode, merged LoRA) + rollout profile,
 #                                             # and the shipped stitch prepare on 16k JPEGs (prepare_stitch.py)
 #   bash benchmarks/h200_issue14.sh shapes    # dense 4B and both hybrids (fla) in ONE process, five modes each
+#   bash benchmarks/h200_issue14.sh round4    # fla sync test (+ its mutation), the three shapes, 10 timed steps a mode
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh); results and logs go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
@@ -57,6 +58,23 @@ case "${1:-dense}" in
     timeout 420 python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b,nemotron4b --steps 4 --warmup 2 \
       --modes packed,cached_padded,baseline,llava,stock --tag _round3 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
       | grep -E "stock =|dense /" | cut -c1-400
+    ;;
+  round4)  # GPU kernel tests (the fla sync count, then the same test with the fix reverted, which must fail), and
+    # the three shapes in ONE process with 10 timed steps a mode after 4 warm-ups, a one-step profile of packed and
+    # baseline, host batch time and device syncs per step
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_nemotron_kernels.py tests/test_qwen_kernels.py \
+      2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    cp stitch_nemotron/kernels.py /tmp/kernels.py.keep
+    sed -i 's/\*\*fla_seqlens(cu_seqlens))/cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())/' \
+      stitch_nemotron/kernels.py
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -k syncs tests/test_nemotron_kernels.py 2>&1 \
+      | tee "$OUT/gpu_tests_mutated.log" | tail -2
+    cp /tmp/kernels.py.keep stitch_nemotron/kernels.py
+    timeout 560 python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b,nemotron4b --steps 10 --warmup 4 \
+      --modes packed,cached_padded,baseline,llava,stock --profile 1 --profile-modes packed,baseline --tag _round4 \
+      --out "$OUT" 2>&1 | tee "$OUT/sft.log" | grep -E "stock =|dense /" | cut -c1-400
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla
