@@ -42,21 +42,21 @@ class _EncoderHost:
         return getattr(self.inner, name)
 
 
-def _rows(root, rows: list[dict]) -> str:
-    path = root / "ds" / "workers.jsonl"
+def _two_row_recipe(root, second: dict):
+    """A good row, then ``second``, prepared with 2 workers; a bad row stops the run."""
+    path = root / "ds" / f"{second['id']}.jsonl"
+    rows = [{"id": "fine", "image": "imgs/good0.png", "question": "How many?", "answer": "1"}, second]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return load_recipe(hostile_recipe(root, name=second["id"], on_corrupt="error", partitions={"alignment": [0, 2]},
+                                      scan_cap=2, source={"path": str(path), "format": "json"},
+                                      prepare={"workers": 2}))
 
 
 def test_a_too_long_prompt_found_in_a_worker_stops_the_run_naming_row_column_expected_and_actual(hostile,  # noqa: F811
                                                                                                  host_module,
                                                                                                  tmp_path):
-    root = hostile
-    source = _rows(root, [{"id": "fine", "image": "imgs/good0.png", "question": "How many?", "answer": "1"},
-                          {"id": "wordy", "image": "imgs/good0.png", "question": "count " * 4000, "answer": "x"}])
-    recipe = load_recipe(hostile_recipe(root, name="wordy", on_corrupt="error", partitions={"alignment": [0, 2]},
-                                        scan_cap=2, source={"path": source, "format": "json"},
-                                        prepare={"workers": 2}))
+    recipe = _two_row_recipe(hostile, {"id": "wordy", "image": "imgs/good0.png", "question": "count " * 4000,
+                                       "answer": "x"})
     with pytest.raises(PrepareError) as caught:
         prepare(recipe, tmp_path / "out", host=host_module, progress=False)
     message = str(caught.value)
@@ -79,12 +79,8 @@ def test_a_prompt_that_does_not_tokenize_in_a_worker_names_row_and_column_before
         return original(self, conversation, num_items, row_id)
 
     monkeypatch.setattr(PromptCheck, "tokenize", refuse_marked)  # before the workers fork: they inherit it
-    root = hostile
-    source = _rows(root, [{"id": "fine", "image": "imgs/good0.png", "question": "How many?", "answer": "1"},
-                          {"id": "odd", "image": "imgs/no-such.png", "question": "UNTOKENIZABLE", "answer": "1"}])
-    recipe = load_recipe(hostile_recipe(root, name="odd", on_corrupt="error", partitions={"alignment": [0, 2]},
-                                        scan_cap=2, source={"path": source, "format": "json"},
-                                        prepare={"workers": 2}))
+    recipe = _two_row_recipe(hostile, {"id": "odd", "image": "imgs/no-such.png", "question": "UNTOKENIZABLE",
+                                       "answer": "1"})
     with pytest.raises(PrepareError) as caught:
         prepare(recipe, tmp_path / "out", host=host_module, progress=False)
     message = str(caught.value)
