@@ -16,8 +16,16 @@ dropped, uint8 pixels normalised on the device) over the real clip-vit-base-patc
    stock transformers (``CLIPImageProcessor`` tensors + eager ``CLIPVisionModel``, ``hidden_states[-2]``) on the
    same images; each variant's features are compared with the stock ones (max |diff|, min cosine).
 
+4. ``--cpu-pipeline``: prepare's pipeline alone, on this machine: the same JPEGs, workers and CLIP preprocessing,
+   the encoder replaced by a null tower (a preallocated zero tensor of the declared shape), so what is left is
+   the main process's per-row work and the workers' decode. Prints prepare-report.json's ``phase_seconds`` (where
+   the main process's wall time went) and ``worker_seconds`` (tokenizing and decoding, summed over chunks), the
+   main process's CPU seconds, its seconds per row outside start-up and waiting, and what that bounds the
+   throughput to for ``--project-workers`` workers. ``--profile`` adds the main thread's cProfile (top 25).
+
     PYTHONPATH=. python3 benchmarks/prepare_stitch.py --out $OUT          # H200
     PYTHONPATH=. python benchmarks/prepare_stitch.py --smoke --out /tmp/b  # CPU, seconds
+    PYTHONPATH=. python benchmarks/prepare_stitch.py --cpu-pipeline --images 4096 --workers 1 --out /tmp/b
 """
 
 from __future__ import annotations
@@ -63,7 +71,19 @@ def build_b32_smoke(out_dir: Path) -> None:
     build_b32_random(out_dir, smoke=True)
 
 
-def bench_host(smoke: bool):
+class NullTower:
+    """An encoder that costs nothing: the declared [B, 49, 768] features, zeros, already in the feature dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.zeros = torch.zeros(0, 49, 768, dtype=dtype)
+
+    def encode(self, items) -> torch.Tensor:
+        if len(items) > len(self.zeros):
+            self.zeros = torch.zeros(len(items), 49, 768, dtype=self.zeros.dtype)
+        return self.zeros[: len(items)]
+
+
+def bench_host(smoke: bool, null_tower: bool = False):
     from stitch.plugins.hookspecs import hookimpl
     from stitch.plugins.host import load_plugins
     from stitch.plugins.specs import ModelSource
@@ -72,6 +92,8 @@ def bench_host(smoke: bool):
     builder = build_b32_smoke if smoke else build_b32_random
     spec = dataclasses.replace(CLIP_B32, name=ENCODER, description="ViT-B/32 config, random weights (benchmark)",
                                source=ModelSource(builder=builder, builder_key=f"{ENCODER}-{int(smoke)}-v1"))
+    if null_tower:  # prepare still loads it through the spec (in its loader thread), preprocesses as CLIP does
+        spec = dataclasses.replace(spec, load=lambda source, device, dtype: NullTower(dtype))
 
     class BenchPlugin:
         @staticmethod
@@ -207,9 +229,17 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     clock = ProgressClock()
     clock.install()
-    t0 = time.perf_counter()
+    profile = None
+    if getattr(args, "profile", False):
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     report = prepare(recipe, out, host=host, device=device, progress=False)
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    if profile is not None:
+        profile.disable()
     first = next(((t, k) for t, k in clock.marks if k >= args.shard_rows), clock.marks[0])
     steady = (n - first[1]) / max(clock.marks[-1][0] - first[0], 1e-9)
     result = {
@@ -219,7 +249,20 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         "workers": recipe.data.prepare.worker_count, "compile": recipe.data.prepare.compile,
         "compiled": recipe.data.prepare.compiles(device, n), "encode_batch_size": recipe.data.encode_batch_size,
         "shard_rows": recipe.data.shard_rows, "retained_mib": round(report.retained_bytes / 2**20, 1),
+        "phase_seconds": getattr(report, "phase_seconds", None), "worker_seconds": getattr(report, "worker_seconds", None),
+        "main_cpu_s": round(cpu, 2),
     }
+    phases = result["phase_seconds"]
+    if phases:  # the main process's own work per row: not start-up, not waiting for workers or the encoder
+        own = phases["total"] - phases["startup"] - phases["media_wait"] - phases["encoder_load"]
+        result["main_ms_per_row"] = round(own / max(report.total_rows, 1) * 1e3, 4)
+    if profile is not None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        result["profile_top25"] = text.getvalue().splitlines()
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
     return result
@@ -315,6 +358,18 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
     return results
 
 
+def project(result: dict, workers: int) -> dict:
+    """Images/s the pipeline allows with ``workers`` decode workers on cores like these: the slower of the
+    workers (each row costs them ``worker_seconds`` / rows, run in parallel) and the main process (its own
+    seconds per row, serial). An upper bound: it leaves out start-up and the encoder."""
+    rows = result["images"]
+    worker_s = sum(result["worker_seconds"].values()) / rows
+    main_s = result["main_ms_per_row"] / 1e3
+    return {"workers": workers, "worker_ms_per_row": round(worker_s * 1e3, 4),
+            "main_ms_per_row": result["main_ms_per_row"], "workers_bound_images_per_s": round(workers / worker_s),
+            "main_bound_images_per_s": round(1 / main_s), "images_per_s": round(min(workers / worker_s, 1 / main_s))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=16384)
@@ -338,7 +393,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="prepare_stitch")
     ap.add_argument("--smoke", action="store_true", help="CPU in seconds: 2-layer tower, 48 small JPEGs")
+    ap.add_argument("--cpu-pipeline", action="store_true", help="prepare with a null tower (no encoder cost) on "
+                                                                "full-size JPEGs; implies --skip-encode")
+    ap.add_argument("--project-workers", type=int, default=15, help="--cpu-pipeline: project img/s to this many "
+                                                                     "workers")
+    ap.add_argument("--profile", action="store_true", help="cProfile prepare's main thread (top 25 by own time)")
     args = ap.parse_args()
+    if args.cpu_pipeline:
+        args.skip_encode, args.compile = True, "never"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.images, args.unique, args.encode_batch, args.shard_rows = 48, 8, 8, 16
@@ -349,14 +411,21 @@ def main() -> None:
     args.compile_batches = [int(b) for b in str(args.compile_batches).split(",")]
     os.environ.setdefault("STITCH_CACHE", str(Path(args.scratch) / "stitch-cache"))  # the built snapshots
     log(f"device {device}; torch {torch.__version__}")
-    host, spec = bench_host(args.smoke)
+    host, spec = bench_host(args.smoke, null_tower=args.cpu_pipeline)
     root = Path(args.scratch) / "data"
     result: dict = {"config": {k: v for k, v in vars(args).items()}}
     result["dataset"] = make_dataset(root, args.images, args.unique, max(1, os.cpu_count() or 1), args.smoke)
     log(f"dataset {result['dataset']}")
     if not args.skip_prepare:
         result["prepare"] = run_prepare(args, host, root, args.images, device)
+        profile = result["prepare"].pop("profile_top25", None)
         log(f"prepare {result['prepare']}")
+        if profile:
+            result["prepare_profile_top25"] = profile
+            log("\n".join(profile))
+        if args.cpu_pipeline and result["prepare"].get("main_ms_per_row") is not None:
+            result["projection"] = project(result["prepare"], args.project_workers)
+            log(f"projection {result['projection']}")
     if not args.skip_encode:
         result["encode_only"] = encode_only(args, spec, root, device)
     result["targets"] = {"prepare_images_per_s": 3000, "encode_only_images_per_s": 60000}

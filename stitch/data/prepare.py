@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -21,7 +22,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -107,6 +108,10 @@ class PrepareReport:
     payload_bytes_per_row: float  # the feature tensors alone
     seconds: float
     provenance: dict[str, Any] = field(default_factory=dict)
+    # wall seconds of the main process per phase of the whole prepare() call (PhaseClock.PHASES), and the seconds
+    # the decode work took, summed over chunks in whichever process ran them (worker seconds overlap each other)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    worker_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_rows(self) -> int:
@@ -134,6 +139,64 @@ class _ScannedRow:
     messages: list[dict[str, str]] = field(default_factory=list)
     extra: dict[str, str] = field(default_factory=dict)
     values: list[Any] = field(default_factory=list)
+
+
+class PhaseClock:
+    """Where the main process spends a run's wall time: ``with clock(phase)`` adds the time inside to ``phase``;
+    a phase entered inside another pauses the outer one, so the phases never count a second twice."""
+
+    PHASES = {
+        "startup": "tokenizer and preprocessing load, worker start, opening the stream",
+        "scan": "reading rows from the stream and checking their text columns",
+        "media_wait": "waiting for workers' tokenized and decoded rows (with 0 workers: doing that work)",
+        "encoder_load": "waiting for the encoder to load (it loads in a thread from the start of a fresh run)",
+        "encode": "stacking a shard's items, host to device, the encoder, features back to the host",
+        "verify_reused": "hashing shards that already exist before reusing them",
+        "write_wait": "waiting for the writer thread to finish a shard file",
+        "manifest": "manifest lines of written shards",
+        "other": "the rest: row bookkeeping, shard keys, the budget checks",
+    }
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._open: list[list[Any]] = []  # [phase, since] of the phases entered, innermost last
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        now = time.perf_counter()
+        if self._open:
+            outer = self._open[-1]
+            self.seconds[outer[0]] += now - outer[1]
+        self._open.append([phase, now])
+        try:
+            yield
+        finally:
+            now = time.perf_counter()
+            self.seconds[phase] += now - self._open.pop()[1]
+            if self._open:
+                self._open[-1][1] = now
+
+    def report(self) -> dict[str, float]:
+        total = time.perf_counter() - self.started
+        out = {phase: round(self.seconds.get(phase, 0.0), 4) for phase in self.PHASES if phase != "other"}
+        out["other"] = round(max(total - sum(self.seconds.values()), 0.0), 4)
+        out["total"] = round(total, 4)
+        return out
+
+
+@contextlib.contextmanager
+def _one_host_thread() -> Iterator[None]:
+    """torch's host copies (stacking a shard's items, features to the feature dtype) on one thread. The decode
+    workers keep the other cores busy, and an OpenMP team spinning against them was measured 28x slower than
+    one thread (stacking 1,024 images on 2 cores, 1 worker decoding). Copies give the same bytes on any
+    number of threads; the encoder itself runs outside this, on the caller's setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # -- streaming ------------------------------------------------------------------------------------------
@@ -408,24 +471,39 @@ class PromptCheck:
         return tokenize_example(self.tokenizer, conversation, self.sentinels, self.tokens, num_items,
                                 row_id=row_id)[0]
 
-    def check(self, messages: list[dict[str, str]], extra: Mapping[str, str], num_items: int, partition: str | None,
-              row_id: str, position: int) -> None:
+    def measure(self, messages: list[dict[str, str]], extra: Mapping[str, str], num_items: int,
+                row_id: str) -> list[int | tuple[str, str]]:
+        """The token count of each branch (the answer, then DPO's rejected answer), or ``(column, reason)`` for
+        the first one that does not tokenize (the branches after it are not tokenized). Independent of the
+        row's partition, so a decode worker runs it; ``budgets`` then judges the counts in stream order."""
         prompt_column = self.columns.messages or self.columns.question
         branches = [(self.columns.messages or self.columns.answer, messages)]
         if "rejected" in extra:  # DPO tokenizes the rejected answer after the same prompt
             rejected = {"role": "assistant", "content": extra["rejected"]}
             branches.append((self.columns.rejected, [*messages[:-1], rejected]))
+        out: list[int | tuple[str, str]] = []
         for answer_column, conversation in branches:
             try:
-                ids = self.tokenize(conversation, num_items, row_id)
+                out.append(len(self.tokenize(conversation, num_items, row_id)))
             except self.errors as exc:
                 column = answer_column if self._answer_at_fault(conversation, num_items) else prompt_column
-                raise InvalidRow(row_id, position, column, f"does not tokenize with {self.model!r}'s tokenizer as "
-                                 f"training would: {str(exc).removeprefix(f'row {row_id!r}: ')}", "prompt") from exc
+                out.append((column, f"does not tokenize with {self.model!r}'s tokenizer as training would: "
+                                    f"{str(exc).removeprefix(f'row {row_id!r}: ')}"))
+                break
+        return out
+
+    def budgets_check(self, measured: list[int | tuple[str, str]], partition: str | None, row_id: str,
+                      position: int) -> None:
+        """Raise ``InvalidRow`` for ``measure``'s first failure: a branch that does not tokenize, or one over the
+        token budget of a stage that reads ``partition``; branch by branch, as training would meet them."""
+        prompt_column = self.columns.messages or self.columns.question
+        for count in measured:
+            if isinstance(count, tuple):
+                raise InvalidRow(row_id, position, count[0], count[1], "prompt")
             for stage, budget in self.budgets.get(partition or "", []):
-                if len(ids) > budget:
+                if count > budget:
                     raise InvalidRow(row_id, position, prompt_column,
-                                     f"{len(ids)} tokens with {self.model!r}'s tokenizer, expected at most "
+                                     f"{count} tokens with {self.model!r}'s tokenizer, expected at most "
                                      f"stages.{stage}.token_budget={budget} (stage {stage} reads partition "
                                      f"{partition!r})", "too-long")
 
@@ -466,21 +544,46 @@ class MediaDecoder:
                 return "media-type", str(exc)
         return hashes, items
 
-    def rows(self, chunk: list[list[Any]]) -> tuple[list[Any], torch.Tensor | None]:
-        """Each row's result; with ``preprocess``, the rows' tensors are stacked into one (one shared-memory
-        transfer per chunk) and each good row holds its count instead of its items."""
-        results = [self.row(values) for values in chunk]
+    def rows(self, chunk: list[list[Any] | None]) -> tuple[list[Any], torch.Tensor | None]:
+        """Each row's result (None for a row given as None); with ``preprocess``, the rows' tensors are stacked
+        into one (one shared-memory transfer per chunk) and each good row holds its count instead of its items."""
+        results = [None if values is None else self.row(values) for values in chunk]
         if self.preprocess is None:
             return results, None
-        tensors = [t for r in results if isinstance(r[0], list) for t in r[1]]
+        tensors = [t for r in results if r is not None and isinstance(r[0], list) for t in r[1]]
         stacked = torch.stack(tensors) if tensors else None
-        return [(r[0], len(r[1])) if isinstance(r[0], list) else r for r in results], stacked
+        return [(r[0], len(r[1])) if r is not None and isinstance(r[0], list) else r for r in results], stacked
 
 
-_WORKER_DECODER: MediaDecoder | None = None
+_RowJob = tuple[str, list[dict[str, str]], dict[str, str], list[Any]]  # id, messages, extra, raw media values
 
 
-def _init_media_worker(decoder: MediaDecoder) -> None:
+@dataclass(frozen=True)
+class RowDecoder:
+    """What a decode worker does for each row, in the order the run judges it: tokenize its conversation
+    (``PromptCheck.measure``), then, unless that failed, normalise, fingerprint and decode its media
+    (``MediaDecoder``). Both are per-row work independent of the rows before, so they leave the main process;
+    only the token budgets, which depend on the row's partition (its ordinal among valid rows), stay there."""
+
+    prompts: PromptCheck
+    media: MediaDecoder
+
+    def rows(self, chunk: list[_RowJob]) -> tuple[list[Any], list[Any], torch.Tensor | None, tuple[float, float]]:
+        """``(measured, media, stacked, (prompt_s, media_s))``: ``measure``'s answer per row, ``MediaDecoder.rows``'
+        answer (None for a row whose conversation does not tokenize) and the seconds each part took."""
+        started = time.perf_counter()
+        measured = [self.prompts.measure(messages, extra, len(values), row_id)
+                    for row_id, messages, extra, values in chunk]
+        tokenized = time.perf_counter()
+        media, stacked = self.media.rows([None if isinstance(m[-1], tuple) else job[3]
+                                          for m, job in zip(measured, chunk, strict=True)])
+        return measured, media, stacked, (tokenized - started, time.perf_counter() - tokenized)
+
+
+_WORKER_DECODER: RowDecoder | None = None
+
+
+def _init_media_worker(decoder: RowDecoder) -> None:
     global _WORKER_DECODER
     with contextlib.suppress(Exception):  # Linux: a killed run takes its workers with it (they would wait forever)
         import ctypes
@@ -491,17 +594,21 @@ def _init_media_worker(decoder: MediaDecoder) -> None:
     _WORKER_DECODER = decoder
 
 
-def _decode_chunk(chunk: list[list[Any]]) -> tuple[list[Any], torch.Tensor | None]:
+def _decode_chunk(chunk: list[_RowJob]) -> tuple[list[Any], list[Any], torch.Tensor | None, tuple[float, float]]:
     assert _WORKER_DECODER is not None
     return _WORKER_DECODER.rows(chunk)
 
 
 def _unstack(results: list[Any], stacked: torch.Tensor | None) -> list[Any]:
     """``MediaDecoder.rows``' answer back to per-row ``(hashes, items)`` or ``(kind, reason)``."""
-    if stacked is None and not any(isinstance(r[1], int) for r in results):
+    if stacked is None and not any(r is not None and isinstance(r[1], int) for r in results):
         return results
     out, at = [], 0
-    for first, second in results:
+    for result in results:
+        if result is None:
+            out.append(None)
+            continue
+        first, second = result
         if isinstance(first, list):
             out.append((first, list(stacked[at : at + second]) if second else []))
             at += second
@@ -510,16 +617,19 @@ def _unstack(results: list[Any], stacked: torch.Tensor | None) -> list[Any]:
     return out
 
 
-def media_pool(workers: int, decoder: MediaDecoder) -> Executor | None:
-    """Worker processes for ``decoder``; None for 0 (decode in this process). Forked where the platform can (as
-    torch's DataLoader does: the workers never touch CUDA), so starting them costs milliseconds, not imports."""
+def media_pool(workers: int, decoder: RowDecoder) -> Executor | None:
+    """Worker processes for ``decoder``, started now; None for 0 (decode in this process). Forked where the
+    platform can (as torch's DataLoader does: the workers never touch CUDA), so starting them costs milliseconds,
+    not imports, and they inherit the loaded tokenizer."""
     if workers == 0:
         return None
     import torch.multiprocessing as mp  # its pickler hands tensors over in shared memory
 
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    return ProcessPoolExecutor(workers, mp_context=mp.get_context(method), initializer=_init_media_worker,
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context(method), initializer=_init_media_worker,
                                initargs=(decoder,))
+    pool.submit(int)  # a forking pool starts every worker at its first task: now, before the run starts threads
+    return pool
 
 
 MEDIA_CHUNK_ROWS = 16  # rows per worker task: large enough to amortise the hand-over, small enough to pipeline
@@ -575,7 +685,7 @@ def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any])
 class _Preparation:
     def __init__(
         self, recipe: Recipe, out_dir: Path, spec: EncoderSpec, encoder: Any, device: str, progress: bool,
-        prompts: PromptCheck,
+        prompts: PromptCheck, clock: PhaseClock,
     ) -> None:
         self.recipe, self.data, self.spec = recipe, recipe.data, spec
         self.out_dir = out_dir
@@ -605,15 +715,31 @@ class _Preparation:
         self.rows_unassigned = 0
         self.skipped: list[dict[str, Any]] = []
         self.paths = media_paths(self.data)
-        self.decoder = MediaDecoder(self.paths, spec.decode_item, self.preprocess)
         self.prompts = prompts
+        self.decoder = RowDecoder(prompts, MediaDecoder(self.paths, spec.decode_item, self.preprocess))
+        self.clock = clock
+        self.worker_seconds = {"prompt": 0.0, "media": 0.0}  # summed over chunks, whichever process ran them
+        self._loading: Future | None = None  # the encoder, loading in a thread while the first rows decode
         self.writes: deque[tuple[str, list[_PendingRow], Future | str, int]] = deque()  # shards not yet in manifest
         self.writer: ThreadPoolExecutor | None = None
+
+    def load_encoder(self) -> Any:
+        return self.spec.load(self.spec.source, self.device, self.dtype)
+
+    def preload_encoder(self) -> None:
+        """Start loading the encoder (weights, CUDA) in a thread when the run must encode: its cache holds no shard
+        yet. The decode workers are already running, so loading overlaps decoding the first shard instead of
+        following it; a re-run, whose shards may all exist, still loads it only when a shard is missing."""
+        if self._encoder is None and not any(self.cache_dir.glob("*.safetensors")):
+            loader = ThreadPoolExecutor(1, thread_name_prefix="stitch-encoder-load")
+            self._loading = loader.submit(self.load_encoder)
+            loader.shutdown(wait=False)  # its one task still runs; the thread ends with it
 
     @property
     def encoder(self) -> Any:
         if self._encoder is None:  # loaded only when a shard is missing: a full re-run never loads it
-            self._encoder = self.spec.load(self.spec.source, self.device, self.dtype)
+            with self.clock("encoder_load"):
+                self._encoder = self._loading.result() if self._loading is not None else self.load_encoder()
         if not self._encoder_ready:
             self._encoder_ready = True
             rows = sum(p.rows for p in self.data.partitions)
@@ -653,37 +779,52 @@ class _Preparation:
         """Rows in stream order with their text checked; an error is kept with its row, raised when the run
         reaches it (rows read ahead for the decode workers must not change what is reported, or when)."""
         cols = self.data.columns
-        for position, raw in enumerate(itertools.islice(stream, self.data.scan_cap)):
-            row = _ScannedRow(f"row{position}", position)
-            try:
-                row.id = _row_id(raw, self.recipe, position)
-                _check_columns(raw, self.recipe, row.id)
-                row.messages = _messages(raw, self.recipe, row.id, position)
-                row.extra = _extra(raw, self.recipe, row.id, position)
-                row.values = media_items(raw[cols.media], row.id, position, cols.media)
-            except (InvalidRow, PrepareError) as exc:
-                row.error = exc
+        rows = iter(itertools.islice(stream, self.data.scan_cap))
+        for position in itertools.count():
+            with self.clock("scan"):  # reading the stream and checking the row's text
+                raw = next(rows, None)
+                if raw is None:
+                    return
+                row = _ScannedRow(f"row{position}", position)
+                try:
+                    row.id = _row_id(raw, self.recipe, position)
+                    _check_columns(raw, self.recipe, row.id)
+                    row.messages = _messages(raw, self.recipe, row.id, position)
+                    row.extra = _extra(raw, self.recipe, row.id, position)
+                    row.values = media_items(raw[cols.media], row.id, position, cols.media)
+                except (InvalidRow, PrepareError) as exc:
+                    row.error = exc
             yield row
 
-    def decoded_rows(self, rows: Iterator[_ScannedRow], pool: Executor | None) -> Iterator[tuple[_ScannedRow, Any]]:
-        """Each scanned row with its media result (``(hashes, items)`` or ``(kind, reason)``; None after a text
-        error), in stream order; up to 4 chunks per worker are decoded ahead."""
+    def decoded_rows(self, rows: Iterator[_ScannedRow], pool: Executor | None) -> Iterator[tuple[_ScannedRow, Any, Any]]:
+        """Each scanned row with its token counts (``PromptCheck.measure``) and media result (``(hashes, items)``
+        or ``(kind, reason)``; None when its conversation does not tokenize), both None after a text error, in
+        stream order. Ahead of the row the run is at, a shard's rows (at least 4 chunks per worker) are decoding,
+        so the workers keep busy while the main process encodes and writes a shard."""
         window: deque[tuple[list[_ScannedRow], Any]] = deque()
-        ahead = 0 if pool is None else 4 * getattr(pool, "_max_workers", 1)
+        workers = getattr(pool, "_max_workers", 1)
+        ahead = 0 if pool is None else max(4 * workers, -(-self.data.shard_rows // MEDIA_CHUNK_ROWS))
 
-        def done(chunk: list[_ScannedRow], pending: Any) -> Iterator[tuple[_ScannedRow, Any]]:
-            answer = pending.result() if isinstance(pending, Future) else pending
-            results = iter(_unstack(*answer) if answer is not None else [])
+        def done(chunk: list[_ScannedRow], pending: Any) -> Iterator[tuple[_ScannedRow, Any, Any]]:
+            with self.clock("media_wait"):  # with 0 workers: the tokenizing and decoding themselves
+                answer = pending.result() if isinstance(pending, Future) else pending() if pending else None
+            measured: Iterator[Any] = iter(())
+            results: Iterator[Any] = iter(())
+            if answer is not None:
+                counts, media, stacked, (prompt_s, media_s) = answer
+                self.worker_seconds["prompt"] += prompt_s
+                self.worker_seconds["media"] += media_s
+                measured, results = iter(counts), iter(_unstack(media, stacked))
             for row in chunk:
-                yield row, None if row.error else next(results)
+                yield (row, None, None) if row.error else (row, next(measured), next(results))
 
         try:
             while chunk := list(itertools.islice(rows, MEDIA_CHUNK_ROWS)):
-                todo = [row.values for row in chunk if row.error is None]
+                todo = [(row.id, row.messages, row.extra, row.values) for row in chunk if row.error is None]
                 if not todo:
                     pending = None
                 elif pool is None:
-                    pending = self.decoder.rows(todo)
+                    pending = functools.partial(self.decoder.rows, todo)  # decoded when the run reaches it
                 else:
                     pending = pool.submit(_decode_chunk, todo)
                 window.append((chunk, pending))
@@ -699,15 +840,14 @@ class _Preparation:
     def valid_rows(self, stream: Iterable[Mapping[str, Any]], pool: Executor | None = None) -> Iterator[_PendingRow]:
         """Selected rows in stream order; invalid rows are raised or skipped, never given an ordinal."""
         ordinal = 0
-        for row, media in self.decoded_rows(self.scanned_rows(stream), pool):
+        for row, measured, media in self.decoded_rows(self.scanned_rows(stream), pool):
             self.rows_scanned = row.position + 1
             partition = self.data.partition_of(ordinal)  # the one this row takes if it is valid
             try:
                 if row.error is not None:
                     raise row.error
-                # the prompt is checked before the media (as a run without workers would decode them: after)
-                self.prompts.check(row.messages, row.extra, len(row.values), partition and partition.name, row.id,
-                                   row.position)
+                # the prompt is judged before the media, whichever failed first in the worker
+                self.prompts.budgets_check(measured, partition and partition.name, row.id, row.position)
                 if isinstance(media[0], str):
                     kind, reason = media
                     raise InvalidRow(row.id, row.position, self.data.columns.media, reason, kind)
@@ -760,13 +900,15 @@ class _Preparation:
         path = self.cache_dir / name
         n_items = sum(len(r.media) for r in rows)
         if path.is_file():
-            digest: Future | str = verified_shard_digest(path)  # a reused shard must still be the file written
+            with self.clock("verify_reused"):
+                digest: Future | str = verified_shard_digest(path)  # a reused shard must still be the file written
             self.shards_reused += 1
             bar.update(len(rows))
             estimate = 0
         else:
             self.check_retained(n_items * self.item_bytes, f"with shard {name} ({rows[0].id}..{rows[-1].id})")
-            features = self.encode(rows, bar)
+            with self.clock("encode"):
+                features = self.encode(rows, bar)
             assert self.writer is not None
             digest = self.writer.submit(write_shard, path, features, {**self.identity, "items": n_items})
             self.shards_encoded += 1
@@ -781,32 +923,38 @@ class _Preparation:
         """Manifest lines of the written shards, oldest first, leaving ``keep`` shards in flight."""
         while len(self.writes) > keep:
             name, rows, pending, _ = self.writes[0]
-            digest = pending.result() if isinstance(pending, Future) else pending
+            with self.clock("write_wait"):
+                digest = pending.result() if isinstance(pending, Future) else pending
             self.writes.popleft()
-            path = self.cache_dir / name
-            if name not in self.referenced:  # the shard and its sha256 sidecar are both retained
-                self.referenced[name] = path.stat().st_size + shard_digest_path(path).stat().st_size
-            index = 0
-            for row in rows:
-                keys = tuple(FeatureKey(name, index + j, digest) for j in range(len(row.hashes)))
-                index += len(row.hashes)
-                self.items_written += len(row.hashes)
-                record = ManifestRow(
-                    id=row.id,
-                    partition=row.partition,
-                    messages=tuple(row.messages),
-                    features=keys,
-                    tokens=self.spec.tokens_per_item,
-                    width=self.spec.feature_width,
-                    dtype=self.data.feature_dtype,
-                    provenance=self.provenance,
-                    extra=row.extra,
-                ).as_json()
-                line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
-                manifest.write(line)
-                self.manifest_bytes += len(line.encode())
-                self.rows_written[row.partition] += 1
-            self.check_retained(0, f"after shard {name}")
+            with self.clock("manifest"):
+                self.record_shard(manifest, name, rows, digest)
+
+    def record_shard(self, manifest: Any, name: str, rows: list[_PendingRow], digest: str) -> None:
+        """The manifest lines of one written shard's rows, in order."""
+        path = self.cache_dir / name
+        if name not in self.referenced:  # the shard and its sha256 sidecar are both retained
+            self.referenced[name] = path.stat().st_size + shard_digest_path(path).stat().st_size
+        index = 0
+        for row in rows:
+            keys = tuple(FeatureKey(name, index + j, digest) for j in range(len(row.hashes)))
+            index += len(row.hashes)
+            self.items_written += len(row.hashes)
+            record = ManifestRow(
+                id=row.id,
+                partition=row.partition,
+                messages=tuple(row.messages),
+                features=keys,
+                tokens=self.spec.tokens_per_item,
+                width=self.spec.feature_width,
+                dtype=self.data.feature_dtype,
+                provenance=self.provenance,
+                extra=row.extra,
+            ).as_json()
+            line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+            manifest.write(line)
+            self.manifest_bytes += len(line.encode())
+            self.rows_written[row.partition] += 1
+        self.check_retained(0, f"after shard {name}")
 
     def batch(self, items: list[Any]) -> Any:
         """What one encoder call takes: the list of decoded items, or preprocessed tensors stacked into one
@@ -815,14 +963,15 @@ class _Preparation:
             return items
         out = torch.empty((len(items), *items[0].shape), dtype=items[0].dtype,
                           pin_memory=self.device.startswith("cuda") and torch.cuda.is_available())
-        return torch.stack(items, out=out)
+        with _one_host_thread():
+            return torch.stack(items, out=out)
 
     def encode(self, rows: list[_PendingRow], bar: Any) -> torch.Tensor:
         """Features of every item of ``rows`` in order; the bar advances per row as its last item is done."""
         items = [(row.id, item) for row in rows for item in row.media]
         row_ends = set(itertools.accumulate(len(row.media) for row in rows))
         expected = (self.spec.tokens_per_item, self.spec.feature_width)
-        out = []
+        out = torch.empty((len(items), *expected), dtype=self.dtype)  # each batch lands in place: no cat
         step = self.data.encode_batch_size
         for start in range(0, len(items), step):
             batch = items[start : start + step]
@@ -833,9 +982,10 @@ class _Preparation:
                     f"encoder {self.spec.name!r} returned features of shape {tuple(features.shape)} for rows "
                     f"{batch[0][0]}..{batch[-1][0]}; its spec declares ({len(batch)}, {expected[0]}, {expected[1]})"
                 )
-            out.append(features.detach().to("cpu", self.dtype))
+            with _one_host_thread():
+                out[start : start + len(batch)].copy_(features.detach())
             bar.update(sum(1 for end in row_ends if start < end <= start + len(batch)))
-        return torch.cat(out)
+        return out
 
     # -- whole run -------------------------------------------------------------------------------------
     def run(self) -> PrepareReport:
@@ -848,12 +998,15 @@ class _Preparation:
         manifest_path = self.out_dir / MANIFEST_NAME
         manifest_tmp = self.out_dir / f"{_TMP_PREFIX}{MANIFEST_NAME}"
         tmp = Path(tempfile.mkdtemp(prefix="stitch-prepare-"))
-        # the workers start before any thread of this run (tqdm, the writer) and before the encoder loads
-        pool = media_pool(self.data.prepare.worker_count, self.decoder)
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="stitch-shard-writer")
+        with self.clock("startup"):
+            # the workers start before any thread of this run (tqdm, the writer, the encoder's loader)
+            pool = media_pool(self.data.prepare.worker_count, self.decoder)
+            self.writer = ThreadPoolExecutor(1, thread_name_prefix="stitch-shard-writer")
+            self.preload_encoder()
         try:
-            stream = open_stream(self.data.source, tmp / "datasets")
-            stream = _raw_media_stream(stream, self.data.columns.media)
+            with self.clock("startup"):
+                stream = open_stream(self.data.source, tmp / "datasets")
+                stream = _raw_media_stream(stream, self.data.columns.media)
             with open(manifest_tmp, "w", encoding="utf-8") as manifest, _progress(selected, self.progress) as bar:
                 for shard_rows in self.shards(self.valid_rows(stream, pool)):
                     self.flush(shard_rows, manifest, bar)
@@ -897,6 +1050,8 @@ class _Preparation:
             seconds=time.perf_counter() - started,
             provenance={**self.provenance, "dtype": self.data.feature_dtype, "recipe": self.recipe.name,
                         "recipe_sha256": self.recipe.digest},
+            phase_seconds=self.clock.report(),
+            worker_seconds={k: round(v, 4) for k, v in self.worker_seconds.items()},
         )
         _write_json_atomic(self.out_dir / REPORT_NAME, dataclasses.asdict(report))
         return report
@@ -937,9 +1092,13 @@ def prepare(
         from stitch.plugins.host import get_host
 
         host = get_host()
+    clock = PhaseClock()
     spec = host.get("encoders", recipe.encoder)
-    prompts = PromptCheck(recipe, host, spec.tokens_per_item)  # before the run directory exists: a bad model name
+    with clock("startup"):
+        prompts = PromptCheck(recipe, host, spec.tokens_per_item)  # before the run directory exists: a bad model
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with RunLock(out, "prepare"):
-        return _Preparation(recipe, out, spec, encoder, device, progress, prompts).run()
+        with clock("startup"):
+            run = _Preparation(recipe, out, spec, encoder, device, progress, prompts, clock)
+        return run.run()

@@ -1,0 +1,187 @@
+"""Preparation's per-row work in its decode workers: the conversation is tokenized there, its errors still name the
+row, column, expected and actual; the report says where the main process spent its time; a fresh run loads the
+encoder while its first rows decode; the encoder runs on the caller's torch threads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from stitch.config.recipe import load_recipe
+from stitch.data.prepare import PhaseClock, PrepareError, PromptCheck, prepare
+
+pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
+
+from test_bad_data import TOKEN_BUDGET, hostile, hostile_recipe  # noqa: E402,F401  (hostile: the fixture)
+from test_prepare import ENCODER, write_recipe  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def host_module():
+    from stitch.plugins.host import load_plugins
+
+    return load_plugins()
+
+
+class _EncoderHost:
+    """The plugin host with the test encoder's ``load`` replaced."""
+
+    def __init__(self, inner, load) -> None:
+        self.inner = inner
+        self.spec = dataclasses.replace(inner.get("encoders", ENCODER), load=load)
+
+    def get(self, kind, name):
+        return self.spec if (kind, name) == ("encoders", ENCODER) else self.inner.get(kind, name)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _two_row_recipe(root, second: dict):
+    """A good row, then ``second``, prepared with 2 workers; a bad row stops the run."""
+    path = root / "ds" / f"{second['id']}.jsonl"
+    rows = [{"id": "fine", "image": "imgs/good0.png", "question": "How many?", "answer": "1"}, second]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return load_recipe(hostile_recipe(root, name=second["id"], on_corrupt="error", partitions={"alignment": [0, 2]},
+                                      scan_cap=2, source={"path": str(path), "format": "json"},
+                                      prepare={"workers": 2}))
+
+
+def test_a_too_long_prompt_found_in_a_worker_stops_the_run_naming_row_column_expected_and_actual(hostile,  # noqa: F811
+                                                                                                 host_module,
+                                                                                                 tmp_path):
+    recipe = _two_row_recipe(hostile, {"id": "wordy", "image": "imgs/good0.png", "question": "count " * 4000,
+                                       "answer": "x"})
+    with pytest.raises(PrepareError) as caught:
+        prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+    message = str(caught.value)
+    assert "row 'wordy' (stream position 1), column 'question'" in message
+    assert f"expected at most stages.alignment.token_budget={TOKEN_BUDGET}" in message
+    actual = int(message.split("column 'question': ")[1].split(" tokens")[0])
+    assert actual > TOKEN_BUDGET
+
+
+def test_a_prompt_that_does_not_tokenize_in_a_worker_names_row_and_column_before_its_media(hostile,  # noqa: F811
+                                                                                             host_module, tmp_path,
+                                                                                             monkeypatch):
+    from stitch.data.collator import CollatorError
+
+    original = PromptCheck.tokenize
+
+    def refuse_marked(self, conversation, num_items, row_id="?"):
+        if "UNTOKENIZABLE" in conversation[0]["content"]:
+            raise CollatorError(f"row {row_id!r}: the rendered prompt holds 0 start sentinel tokens, expected 1")
+        return original(self, conversation, num_items, row_id)
+
+    monkeypatch.setattr(PromptCheck, "tokenize", refuse_marked)  # before the workers fork: they inherit it
+    recipe = _two_row_recipe(hostile, {"id": "odd", "image": "imgs/no-such.png", "question": "UNTOKENIZABLE",
+                                       "answer": "1"})
+    with pytest.raises(PrepareError) as caught:
+        prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+    message = str(caught.value)
+    # the prompt is judged first: the missing file of the same row is not what is reported
+    assert "row 'odd' (stream position 1), column 'question': does not tokenize with 'qwen3.5-tiny'" in message
+    assert "holds 0 start sentinel tokens, expected 1" in message and "not found" not in message
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_conversations_are_tokenized_in_the_decode_workers_when_there_are_workers(tmp_path, host_module,
+                                                                                  monkeypatch, workers):
+    main, calls = os.getpid(), []
+    original = PromptCheck.tokenize
+
+    def counted(self, *args, **kwargs):
+        if os.getpid() == main:  # a forked worker appends to its own copy of the list
+            calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PromptCheck, "tokenize", counted)
+    data = {"source": {"builtin": "counting-shapes", "rows": 12, "caption_rows": 0, "seed": 0},
+            "partitions": {"train": [0, 12]}, "scan_cap": 12, "prepare": {"workers": workers}}
+    report = prepare(load_recipe(write_recipe(tmp_path, **data)), tmp_path / "out", host=host_module, progress=False)
+    assert report.total_rows == 12
+    assert len(calls) == (12 if workers == 0 else 0)
+    assert report.worker_seconds["prompt"] > 0 and report.worker_seconds["media"] > 0
+
+
+def test_report_phase_seconds_name_every_phase_and_add_up_to_the_whole_call(tmp_path, host_module):
+    started = time.perf_counter()
+    report = prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out", host=host_module,
+                     progress=False)
+    elapsed = time.perf_counter() - started
+    phases = report.phase_seconds
+    assert set(phases) == {*PhaseClock.PHASES, "total"}
+    assert report.seconds <= phases["total"] <= elapsed
+    assert sum(v for k, v in phases.items() if k != "total") == pytest.approx(phases["total"], abs=0.01)
+    assert phases["startup"] > 0 and phases["encode"] > 0 and phases["media_wait"] > 0
+    written = json.loads((tmp_path / "out" / "prepare-report.json").read_text())
+    assert written["phase_seconds"] == phases and written["worker_seconds"] == report.worker_seconds
+
+
+def test_phase_clock_pauses_the_outer_phase_while_an_inner_one_runs():
+    clock = PhaseClock()
+    with clock("encode"):
+        time.sleep(0.02)
+        with clock("encoder_load"):
+            time.sleep(0.05)
+    assert clock.seconds["encoder_load"] >= 0.05
+    assert 0.02 <= clock.seconds["encode"] < 0.05
+
+
+def test_a_fresh_run_loads_the_encoder_while_its_first_shard_decodes_and_a_rerun_never_loads_it(tmp_path,
+                                                                                                 host_module):
+    from stitch.data import prepare as prep
+
+    events: list[tuple[str, float]] = []
+    inner = host_module.get("encoders", ENCODER)
+
+    def load(source, device, dtype):
+        events.append(("load", time.perf_counter()))
+        return inner.load(source, device, dtype)
+
+    host = _EncoderHost(host_module, load)
+    original = prep._Preparation.decoded_rows
+
+    def decoded_rows(self, rows, pool):
+        for n, item in enumerate(original(self, rows, pool)):
+            if n == 0:
+                events.append(("first row decoded", time.perf_counter()))
+            yield item
+
+    recipe = load_recipe(write_recipe(tmp_path, prepare={"workers": 1}))
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(prep._Preparation, "decoded_rows", decoded_rows)
+        prepare(recipe, tmp_path / "out", host=host, progress=False)
+    finally:
+        mp.undo()
+    assert [name for name, _ in sorted(events, key=lambda e: e[1])] == ["load", "first row decoded"]
+    events.clear()
+    report = prepare(recipe, tmp_path / "out", host=host, progress=False)
+    assert report.shards_reused == 4 and events == []
+
+
+def test_the_encoder_runs_on_the_callers_torch_threads_and_they_are_restored(tmp_path, host_module):
+    inner = host_module.get("encoders", ENCODER).load(host_module.get("encoders", ENCODER).source, "cpu",
+                                                      torch.float16)
+    seen = []
+
+    class Recording:
+        def encode(self, items):
+            seen.append(torch.get_num_threads())
+            return inner.encode(items)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out", host=host_module,
+                encoder=Recording(), progress=False)
+        assert seen and set(seen) == {2}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
