@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_issue14.sh round3    # GPU tests, GRPO (grouped decode, merged LoRA) + rollout profile,
 #                                             # and the shipped stitch prepare on 16k JPEGs (prepare_stitch.py)
 #   bash benchmarks/h200_issue14.sh shapes    # dense 4B and both hybrids (fla) in ONE process, five modes each
+#   bash benchmarks/h200_issue14.sh nemotron  # the fla sync test (+ mutation), Nemotron packed/baseline/stock
 #   bash benchmarks/h200_issue14.sh round4    # fla sync test (+ its mutation), the three shapes, 10 timed steps a mode
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh); results and logs go to $OUT.
 set -uo pipefail
@@ -75,6 +76,21 @@ case "${1:-dense}" in
     timeout 560 python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b,nemotron4b --steps 10 --warmup 4 \
       --modes packed,cached_padded,baseline,llava,stock --profile 1 --profile-modes packed,baseline --tag _round4 \
       --out "$OUT" 2>&1 | tee "$OUT/sft.log" | grep -E "stock =|dense /" | cut -c1-400
+    ;;
+  nemotron)  # the fla sync test and its mutation, then Nemotron-Nano-4B's shape: packed, baseline, stock
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k "gpu or syncs" tests/test_nemotron_kernels.py \
+      2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    cp stitch_nemotron/kernels.py /tmp/kernels.py.keep
+    sed -i 's/\*\*fla_seqlens(cu_seqlens))/cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())/' \
+      stitch_nemotron/kernels.py
+    timeout 80 python3 -m pytest -q -p no:cacheprovider -k syncs tests/test_nemotron_kernels.py 2>&1 \
+      | tee "$OUT/gpu_tests_mutated.log" | tail -2
+    cp /tmp/kernels.py.keep stitch_nemotron/kernels.py
+    timeout 300 python3 benchmarks/sft_throughput.py --shapes nemotron4b --steps 10 --warmup 4 \
+      --modes packed,baseline,stock --profile 1 --profile-modes packed,baseline --tag _round4 \
+      --out "$OUT" 2>&1 | tee "$OUT/sft.log" | grep -E "stock =" | cut -c1-400
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla
