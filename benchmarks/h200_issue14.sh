@@ -6,7 +6,9 @@
 #   bash benchmarks/h200_issue14.sh round3    # GPU tests, GRPO (grouped decode, merged LoRA) + rollout profile,
 #                                             # and the shipped stitch prepare on 16k JPEGs (prepare_stitch.py)
 #   bash benchmarks/h200_issue14.sh shapes    # dense 4B and both hybrids (fla) in ONE process, five modes each
-# Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh); results and logs go to $OUT.
+#   bash benchmarks/h200_issue14.sh automodel # Qwen3.5-4B shape: NeMo AutoModel's class vs stitch packed vs stock
+# Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
+# nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -57,6 +59,13 @@ case "${1:-dense}" in
     timeout 420 python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b,nemotron4b --steps 4 --warmup 2 \
       --modes packed,cached_padded,baseline,llava,stock --tag _round3 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
       | grep -E "stock =|dense /" | cut -c1-400
+    ;;
+  automodel)  # issue 14 point 4: AutoModel's own Qwen3.5 class beside stitch packed and stock, one process, ~3 min
+    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
+    [ -d /tmp/am/nemo_automodel ] || bash benchmarks/h200_issue16.sh setup >/dev/null
+    export PYTHONPATH=/tmp/site:/tmp/fla:/tmp/am:.
+    timeout 280 python3 benchmarks/sft_automodel.py --out "$OUT" 2>&1 | tee "$OUT/sft_automodel.log" \
+      | grep -v "^USDT" | tail -12
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla
