@@ -4,13 +4,14 @@
 transformers. This script asks where the rest of the time goes and what the next levers give, all on the same
 random-init clip-vit-base-patch32-shaped tower (12 layers, the 12th dropped as shipped), bf16, batch ``--batch``:
 
-- ``shipped`` / ``shipped_compile``: ``encode(uint8 on the host)``, as prepare calls it (copy + normalise + tower);
-- ``on_device_compile``: the same with the uint8 batch already on the GPU (the host-to-device copy's share);
-- ``fused_qkv_compile``: q/k/v as one [768 -> 2304] GEMM per layer instead of three [768 -> 768] ones;
-- ``pipelined_compile``: fused q/k/v, and the next batch's copy on a side stream while this one encodes;
-- ``fp8_compile``: fused q/k/v and every encoder-layer linear in fp8 (e4m3, per-row activation / per-channel
+- ``shipped``: ``encode(uint8 on the host)``, as prepare calls it (copy + normalise + tower);
+- ``on_device``: the same with the uint8 batch already on the GPU (the host-to-device copy's share);
+- ``fused_qkv``: q/k/v as one [768 -> 2304] GEMM per layer instead of three [768 -> 768] ones;
+- ``pipelined``: fused q/k/v, and the next batch's copy on a side stream while this one encodes;
+- ``fp8``: fused q/k/v and every encoder-layer linear in fp8 (e4m3, per-row activation / per-channel
   weight scales, ``torch._scaled_mm``), a precision change, so it is reported, not shipped.
 
+Each name with ``_compile`` appended runs its tower under ``torch.compile`` (as ``data.prepare.compile`` does).
 Every variant's features are compared with an fp32 eager run of the same tower on the same images (min cosine,
 max relative L2), and with the shipped bf16 path. A torch.profiler table of the top kernels is recorded for the
 shipped compiled tower and the fused one.
@@ -120,7 +121,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--check", type=int, default=64, help="images compared against the fp32 tower")
-    ap.add_argument("--variants", default="shipped,shipped_compile,on_device_compile,fused_qkv_compile,"
+    ap.add_argument("--variants", default="shipped,on_device,fused_qkv,pipelined,shipped_compile,fused_qkv_compile,"
                                           "pipelined_compile,fp8_compile")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default="")
@@ -166,19 +167,19 @@ def main() -> None:
     results: dict = {}
     shipped_features = None
     for name in args.variants.split(","):
-        if name == "fp8_compile" and not (cuda and torch.cuda.get_device_capability() >= (8, 9)):
+        if "fp8" in name and not (cuda and torch.cuda.get_device_capability() >= (8, 9)):
             results[name] = {"skipped": "fp8 needs a GPU of capability 8.9 or newer"}
             continue
         enc = load_clip(source, device, torch.bfloat16)
-        if name in ("fused_qkv_compile", "pipelined_compile", "fp8_compile"):
+        if any(part in name for part in ("fused_qkv", "pipelined", "fp8")):
             fuse_qkv(enc.model)
-        if name == "fp8_compile":
+        if "fp8" in name:
             to_fp8(enc.model)
         if name.endswith("_compile"):
             enc.compile(args.batch)
-        source_batch = on_device if name == "on_device_compile" else host
+        source_batch = on_device if name.startswith("on_device") else host
         try:
-            if name == "pipelined_compile":
+            if name.startswith("pipelined"):
                 side = torch.cuda.Stream() if cuda else None
                 state = {"next": host.to(device)}
 
@@ -202,7 +203,7 @@ def main() -> None:
                 shipped_features = feats.float()
             elif shipped_features is not None:
                 row["vs_shipped_bf16"] = compare(feats, shipped_features)
-            if cuda and name in ("shipped_compile", "fused_qkv_compile", "fp8_compile"):
+            if cuda and name in ("shipped", "shipped_compile", "fused_qkv", "fused_qkv_compile", "fp8_compile"):
                 row["profile"] = profile_once(run)
         except Exception as exc:  # a variant that does not build is reported; the others still run
             row = {"error": f"{type(exc).__name__}: {exc}"[:400]}

@@ -8,7 +8,10 @@
 #   bash benchmarks/h200_issue14.sh shapes    # dense 4B and both hybrids (fla) in ONE process, five modes each
 #   bash benchmarks/h200_issue14.sh nemotron  # the fla sync test (+ mutation), Nemotron packed/baseline/stock
 #   bash benchmarks/h200_issue14.sh round4    # fla sync test (+ its mutation), the three shapes, 10 timed steps a mode
-# Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh); results and logs go to $OUT.
+#   bash benchmarks/h200_issue14.sh prepare   # stitch prepare on 16k JPEGs, then encoder variants (no compile)
+#   bash benchmarks/h200_issue14.sh automodel # Qwen3.5-4B shape: NeMo AutoModel's class vs stitch packed vs stock
+# Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
+# nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -91,6 +94,21 @@ case "${1:-dense}" in
     timeout 300 python3 benchmarks/sft_throughput.py --shapes nemotron4b --steps 10 --warmup 4 \
       --modes packed,baseline,stock --profile 1 --profile-modes packed,baseline --tag _round4 \
       --out "$OUT" 2>&1 | tee "$OUT/sft.log" | grep -E "stock =" | cut -c1-400
+    ;;
+  prepare)  # the shipped stitch prepare on 16k JPEGs (encode-only: eager and compiled at 2048), then the encoder
+    # variants without compile (host-copy share, fused q/k/v, copy on a side stream); carry .whl-demo (datasets)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/*.whl
+    timeout 200 python3 benchmarks/prepare_stitch.py --variants stitch_eager,stitch_compile --batches 2048 \
+      --out "$OUT" 2>&1 | tee "$OUT/prepare.log" | grep -v "^USDT" | grep -E "^prepare|^encode|phase" | cut -c1-900
+    timeout 120 python3 benchmarks/encode_variants.py --variants shipped,on_device,fused_qkv,pipelined \
+      --out "$OUT" 2>&1 | tee "$OUT/encode.log" | grep -v "^USDT" | grep -v Loading | tail -6
+    ;;
+  automodel)  # issue 14 point 4: AutoModel's own Qwen3.5 class beside stitch packed and stock, one process, ~3 min
+    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
+    [ -d /tmp/am/nemo_automodel ] || bash benchmarks/h200_issue16.sh setup >/dev/null
+    export PYTHONPATH=/tmp/site:/tmp/fla:/tmp/am:.
+    timeout 280 python3 benchmarks/sft_automodel.py --out "$OUT" 2>&1 | tee "$OUT/sft_automodel.log" \
+      | grep -v "^USDT" | tail -12
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla

@@ -248,21 +248,27 @@ def packed_attention_path(device, lm) -> str:
     return "stitch_varlen: causal SDPA per sample"
 
 
-def build_stitched(shape: str, args, host, device):
+def build_stitched(shape: str, args, host, device, lm=None, spec=None):
+    """``lm``: a base already loaded by stitch's ``load_model`` (from a snapshot of the shape, through ``spec``, e.g.
+    another ``model.backend``) in place of a random init from the shape's config."""
     from peft import LoraConfig, get_peft_model
 
     from stitch.model.cross_entropy import uses_liger
+    from stitch.model.loading import packs_loaded
     from stitch.model.stitched import StitchedModel
 
     cls, cfg, spec_name = build_lm(shape, args.smoke)
-    spec = host.get("models", spec_name)
+    spec = spec or host.get("models", spec_name)
     torch.manual_seed(0)
-    with torch.device(device):
-        lm = cls._from_config(cfg, dtype=torch.bfloat16, attn_implementation=args.attn)
+    if lm is None:
+        with torch.device(device):
+            lm = cls._from_config(cfg, dtype=torch.bfloat16, attn_implementation=args.attn)
+        # what load_model does for a real checkpoint: the binding's load hook (fused kernels; a hybrid's varlen path)
+        installed = spec.install_sample_starts(lm) if spec.install_sample_starts is not None else False
+    else:  # load_model ran that hook already
+        installed = packs_loaded(spec, lm)
     lm.requires_grad_(False)
     kernel_path = None
-    # what load_model does for a real checkpoint: the binding's load hook (fused kernels; a hybrid's varlen path)
-    installed = spec.install_sample_starts(lm) if spec.install_sample_starts is not None else False
     if shape != "dense4b":
         kernel_path = "fla (varlen packing)" if installed else "pytorch reference"
     fused = fused_kernel_counts(lm)
@@ -291,7 +297,7 @@ def build_stitched(shape: str, args, host, device):
     ]
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     info = {
-        "architecture": cls.__name__,
+        "architecture": type(lm.get_base_model()).__name__,
         "attn_implementation": lm.get_base_model().config._attn_implementation,
         "packed_attention": packed_attention_path(device, lm),
         "half_compute": model.half_compute,
