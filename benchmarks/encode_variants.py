@@ -5,6 +5,7 @@ transformers. This script asks where the rest of the time goes and what the next
 random-init clip-vit-base-patch32-shaped tower (12 layers, the 12th dropped as shipped), bf16, batch ``--batch``:
 
 - ``shipped``: ``encode(uint8 on the host)``, as prepare calls it (copy + normalise + tower);
+- ``conv_patch``: the shipped path with the stock Conv2d patch embedding instead of its one-GEMM ``PatchGemm``;
 - ``on_device``: the same with the uint8 batch already on the GPU (the host-to-device copy's share);
 - ``fused_qkv``: q/k/v as one [768 -> 2304] GEMM per layer instead of three [768 -> 768] ones;
 - ``pipelined``: fused q/k/v, and the next batch's copy on a side stream while this one encodes;
@@ -80,7 +81,7 @@ class Fp8Linear(torch.nn.Module):
 
 def to_fp8(model) -> int:
     """Every linear of the encoder layers (fused q/k/v included) in fp8; the patch embedding stays bf16."""
-    from transformers.models.clip.modeling_clip import CLIPAttention, CLIPMLP
+    from transformers.models.clip.modeling_clip import CLIPMLP, CLIPAttention
 
     n = 0
     for m in model.modules():
@@ -121,7 +122,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--check", type=int, default=64, help="images compared against the fp32 tower")
-    ap.add_argument("--variants", default="shipped,on_device,fused_qkv,pipelined,shipped_compile,fused_qkv_compile,"
+    ap.add_argument("--variants", default="shipped,conv_patch,on_device,fused_qkv,pipelined,shipped_compile,fused_qkv_compile,"
                                           "pipelined_compile,fp8_compile")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default="")
@@ -171,6 +172,12 @@ def main() -> None:
             results[name] = {"skipped": "fp8 needs a GPU of capability 8.9 or newer"}
             continue
         enc = load_clip(source, device, torch.bfloat16)
+        if name.startswith("conv_patch"):  # the stock Conv2d patch embedding instead of the shipped PatchGemm
+            from stitch_clip.encoder import PatchGemm
+
+            for m in enc.model.modules():
+                if type(m) is PatchGemm:
+                    m.__class__ = torch.nn.Conv2d
         if any(part in name for part in ("fused_qkv", "pipelined", "fp8")):
             fuse_qkv(enc.model)
         if "fp8" in name:

@@ -73,6 +73,37 @@ def drop_unused_layers(model: Any, select_layer: int = SELECT_LAYER) -> Any:
     return model
 
 
+class PatchGemm(torch.nn.Conv2d):
+    """CLIP's patch embedding (a Conv2d whose kernel equals its stride, no padding) computed as what it is: one
+    GEMM of the [patches, channels x kernel] unfolded pixels with the [width, channels x kernel] weight.
+
+    Why: on the H200 cuDNN ran ViT-B/32's 32 x 32 / stride-32 conv as ``precomputed_convolve_sgemm``, 16.7 ms of
+    a 72.5 ms encode of 2,048 images (BENCHMARKS.md §0d), for 0.5 TFLOP that a tensor-core GEMM does in about a
+    millisecond. Same weights and state-dict keys (the class is switched in place); any input whose size the
+    kernel does not tile runs the stock conv."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        kh, kw = self.kernel_size
+        if h % kh or w % kw:
+            return super().forward(x)
+        gh, gw = h // kh, w // kw
+        patches = x.reshape(b, c, gh, kh, gw, kw).permute(0, 2, 4, 1, 3, 5).reshape(b * gh * gw, c * kh * kw)
+        out = torch.nn.functional.linear(patches, self.weight.reshape(self.out_channels, -1), self.bias)
+        return out.reshape(b, gh, gw, -1).permute(0, 3, 1, 2)  # [B, width, gh, gw], as the conv returns
+
+
+def patch_embedding_as_gemm(model: Any) -> bool:
+    """Switch the tower's patch embedding to ``PatchGemm`` where it is a non-overlapping conv; True when done."""
+    tower = getattr(model, "vision_model", model)
+    conv = getattr(getattr(tower, "embeddings", None), "patch_embedding", None)
+    if (type(conv) is not torch.nn.Conv2d or conv.kernel_size != conv.stride or conv.padding != (0, 0)
+            or conv.dilation != (1, 1) or conv.groups != 1):
+        return False
+    conv.__class__ = PatchGemm
+    return True
+
+
 class ClipPixels:
     """CLIP's preprocessing for a batch: images already at the crop size skip the resize and crop (both are the
     identity there) and go straight to one vectorised rescale + normalise; any other size goes through the
@@ -155,6 +186,7 @@ class ClipImageEncoder:
     def __init__(self, model: Any, processor: Any, device: torch.device, dtype: torch.dtype,
                  feature_width: int = FEATURE_WIDTH) -> None:
         model = drop_unused_layers(model)
+        patch_embedding_as_gemm(model)
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.processor = processor
         self.pixels = ClipPixels(processor)
