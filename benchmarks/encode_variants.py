@@ -39,9 +39,9 @@ from benchmarks.prepare_stitch import build_b32_random  # noqa: E402
 
 
 def fused_qkv_forward(self, hidden_states, attention_mask=None, **kwargs):
-    """CLIPAttention.forward with one GEMM for q, k and v (weights concatenated once, in ``self._qkv``)."""
+    """CLIPAttention.forward with one projection for q, k and v (``self.qkv_proj``, bf16 or fp8)."""
     b, s, _ = hidden_states.shape
-    qkv = F.linear(hidden_states, *self._qkv).view(b, s, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+    qkv = self.qkv_proj(hidden_states).view(b, s, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
     out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=attention_mask, scale=self.scale)
     return self.out_proj(out.transpose(1, 2).reshape(b, s, -1)), None
 
@@ -54,7 +54,10 @@ def fuse_qkv(model) -> int:
         if isinstance(m, CLIPAttention):
             w = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])
             bias = torch.cat([m.q_proj.bias, m.k_proj.bias, m.v_proj.bias])
-            m._qkv = (w, bias)
+            m.qkv_proj = torch.nn.Linear(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                m.qkv_proj.weight.copy_(w)
+                m.qkv_proj.bias.copy_(bias)
             m.forward = types.MethodType(fused_qkv_forward, m)
             n += 1
     return n
@@ -85,17 +88,9 @@ def to_fp8(model) -> int:
 
     n = 0
     for m in model.modules():
-        if isinstance(m, CLIPAttention):
-            m._fp8_qkv = Fp8Linear(*m._qkv)
+        if isinstance(m, CLIPAttention):  # fuse_qkv made its forward read qkv_proj
+            m.qkv_proj = Fp8Linear(m.qkv_proj.weight, m.qkv_proj.bias)
             m.out_proj = Fp8Linear(m.out_proj.weight, m.out_proj.bias)
-
-            def fwd(self, hidden_states, attention_mask=None, **kwargs):
-                b, s, _ = hidden_states.shape
-                qkv = self._fp8_qkv(hidden_states).view(b, s, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
-                out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], scale=self.scale)
-                return self.out_proj(out.transpose(1, 2).reshape(b, s, -1)), None
-
-            m.forward = types.MethodType(fwd, m)
             n += 2
         elif isinstance(m, CLIPMLP):
             m.fc1, m.fc2 = Fp8Linear(m.fc1.weight, m.fc1.bias), Fp8Linear(m.fc2.weight, m.fc2.bias)
