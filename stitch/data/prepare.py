@@ -458,6 +458,7 @@ class PromptCheck:
         self.model = recipe.model
         self.tokenizer, self.sentinels, self.tokens = binding.tokenizer, binding.sentinel_ids, tokens_per_item
         self.columns = recipe.data.columns
+        self.prompt_column = self.columns.messages or self.columns.question  # the column a prompt error names
         self.errors = (ValueError, TemplateError)  # CollatorError is a ValueError; a chat template may raise
         self.budgets: dict[str, list[tuple[str, int]]] = {}  # partition -> (stage, token_budget)
         for stage, opts in recipe.stages.items():
@@ -476,7 +477,6 @@ class PromptCheck:
         """The token count of each branch (the answer, then DPO's rejected answer), or ``(column, reason)`` for
         the first one that does not tokenize (the branches after it are not tokenized). Independent of the
         row's partition, so a decode worker runs it; ``budgets`` then judges the counts in stream order."""
-        prompt_column = self.columns.messages or self.columns.question
         branches = [(self.columns.messages or self.columns.answer, messages)]
         if "rejected" in extra:  # DPO tokenizes the rejected answer after the same prompt
             rejected = {"role": "assistant", "content": extra["rejected"]}
@@ -486,7 +486,7 @@ class PromptCheck:
             try:
                 out.append(len(self.tokenize(conversation, num_items, row_id)))
             except self.errors as exc:
-                column = answer_column if self._answer_at_fault(conversation, num_items) else prompt_column
+                column = answer_column if self._answer_at_fault(conversation, num_items) else self.prompt_column
                 out.append((column, f"does not tokenize with {self.model!r}'s tokenizer as training would: "
                                     f"{str(exc).removeprefix(f'row {row_id!r}: ')}"))
                 break
@@ -496,13 +496,12 @@ class PromptCheck:
                       position: int) -> None:
         """Raise ``InvalidRow`` for ``measure``'s first failure: a branch that does not tokenize, or one over the
         token budget of a stage that reads ``partition``; branch by branch, as training would meet them."""
-        prompt_column = self.columns.messages or self.columns.question
         for count in measured:
             if isinstance(count, tuple):
                 raise InvalidRow(row_id, position, count[0], count[1], "prompt")
             for stage, budget in self.budgets.get(partition or "", []):
                 if count > budget:
-                    raise InvalidRow(row_id, position, prompt_column,
+                    raise InvalidRow(row_id, position, self.prompt_column,
                                      f"{count} tokens with {self.model!r}'s tokenizer, expected at most "
                                      f"stages.{stage}.token_budget={budget} (stage {stage} reads partition "
                                      f"{partition!r})", "too-long")
