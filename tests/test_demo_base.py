@@ -157,16 +157,38 @@ def test_reading_the_demo_bases_tokenizer_builds_no_weights_and_matches_the_full
                                                                                          monkeypatch):
     """Prepare's row checks read the tokenizer; for the demo base that must not mean pre-training an LM."""
     from stitch.model.loading import load_tokenizer
-    from stitch.model.snapshots import cache_root, snapshot_ready
+    from stitch.model.snapshots import snapshot_dir, snapshot_ready
 
     spec = host.get("models", "qwen3.5-demo")
     full = ensure_snapshot(spec.source.builder_key, spec.source.builder)  # the session cache's build
     monkeypatch.setenv("STITCH_CACHE", str(tmp_path / "empty-cache"))
     tokenizer = load_tokenizer(spec)
     assert not snapshot_ready(spec.source.builder_key)  # the weights were not built
-    only = cache_root() / "snapshots" / f"{spec.source.builder_key}-tokenizer"
+    only = snapshot_dir(f"{spec.source.builder_key}-tokenizer")
     assert not list(only.glob("*.safetensors"))
     shared = {n for n in digests(only) if n.startswith("tokenizer") or n == "special_tokens_map.json"}
     assert "tokenizer.json" in shared
     assert {n: digests(only)[n] for n in shared} == {n: digests(full)[n] for n in shared}
     assert tokenizer.convert_tokens_to_ids("<|vision_start|>") != tokenizer.unk_token_id
+
+
+def test_a_preset_built_under_another_transformers_version_is_built_again_not_reused(tmp_path, monkeypatch):
+    # the quickstart installs the newest transformers in range, the test install pins one: a build records its
+    # version in config.json, so sharing one cache entry made the byte-identity test fail after the quickstart
+    import transformers
+
+    from stitch.model.snapshots import snapshot_dir
+
+    monkeypatch.setenv("STITCH_CACHE", str(tmp_path))
+    builds = []
+
+    def builder(out: Path) -> None:
+        builds.append(transformers.__version__)
+        (out / "config.json").write_text(f'{{"transformers_version": "{transformers.__version__}"}}')
+
+    first = ensure_snapshot("preset", builder)
+    assert ensure_snapshot("preset", builder) == first and builds == [transformers.__version__]
+    monkeypatch.setattr(transformers, "__version__", "0.0.1")
+    second = ensure_snapshot("preset", builder)
+    assert second != first and second == snapshot_dir("preset") and builds[-1] == "0.0.1"
+    assert first.is_dir()  # the other version's build stays for that version

@@ -19,14 +19,23 @@ def cache_root() -> Path:
     return Path(os.environ.get("STITCH_CACHE", Path.home() / ".cache" / "stitch"))
 
 
+def snapshot_dir(key: str) -> Path:
+    """Where the built snapshot for ``key`` lives: one directory per transformers version. A build records the
+    version in its config files and runs that version's model code, so a cache filled by the quickstart's install
+    (the newest transformers in range) is not what the test install's pinned one builds."""
+    import transformers
+
+    return cache_root() / "snapshots" / f"{key}@transformers-{transformers.__version__}"
+
+
 def snapshot_ready(key: str) -> bool:
     """Whether the snapshot for ``key`` is built (its ``.complete`` marker is written last)."""
-    return (cache_root() / "snapshots" / key / ".complete").exists()
+    return (snapshot_dir(key) / ".complete").exists()
 
 
 def ensure_snapshot(key: str, builder: Callable[[Path], None]) -> Path:
     """The snapshot directory for ``key``, running ``builder(tmpdir)`` and renaming it into place once."""
-    final = cache_root() / "snapshots" / key
+    final = snapshot_dir(key)
     if (final / ".complete").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
