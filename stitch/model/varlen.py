@@ -89,9 +89,79 @@ def fla_seqlens(cu_seqlens: torch.Tensor | None) -> dict[str, torch.Tensor | Non
     cached = getattr(cu_seqlens, "_stitch_fla_seqlens", None)
     if cached is None:
         wide = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.long()
-        cached = {"cu_seqlens": wide, "cu_seqlens_cpu": wide.cpu()}
-        cu_seqlens._stitch_fla_seqlens = cached
+        attach_host_copy(cu_seqlens, wide.cpu(), wide)
+        cached = cu_seqlens._stitch_fla_seqlens
     return cached
+
+
+def attach_host_copy(cu_seqlens: torch.Tensor, host: torch.Tensor, device_wide: torch.Tensor) -> None:
+    """Give ``fla_seqlens`` its answer for ``cu_seqlens`` ahead of time: ``host`` (int64 on the host) and
+    ``device_wide`` (the same on the device), for sample starts that were found on the host before the batch moved,
+    so no layer copies them back."""
+    device_wide._stitch_host = host  # read by fla's chunk offsets (``known_chunk_offsets``)
+    cu_seqlens._stitch_fla_seqlens = {"cu_seqlens": device_wide, "cu_seqlens_cpu": host}
+    if device_wide.is_cuda:
+        _offsets_known_on_host()
+
+
+class _HostEnd(torch.Tensor):
+    """Chunk offsets on the device whose last value (the total chunk count) is also known on the host, so
+    ``offsets[-1].item()`` answers without reading the device. Every op on it gives a plain tensor."""
+
+    _stitch_end: int
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, int) and index in (-1, self.shape[0] - 1) and self.dim() == 1:
+            return _Known(self._stitch_end)
+        return torch.Tensor.__getitem__(self.as_subclass(torch.Tensor), index)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class _Known:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def item(self) -> int:
+        return self.value
+
+
+def known_chunk_offsets(original: Any) -> Any:
+    """``original`` (fla's ``prepare_chunk_offsets(cu_seqlens, chunk_size)``: each sample's first chunk, plus the
+    total) answering with a ``_HostEnd`` when ``cu_seqlens`` carries its host copy: fla's chunked state kernels
+    read the total as ``offsets[-1].item()`` to size their output, one device read per call, three per Mamba-2
+    layer and step (forward, and backward's recompute and state gradient)."""
+
+    @functools.wraps(original)
+    def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        offsets = original(cu_seqlens, chunk_size)
+        host = getattr(cu_seqlens, "_stitch_host", None)
+        if host is None or offsets.dim() != 1:
+            return offsets
+        known = offsets.as_subclass(_HostEnd)
+        known._stitch_end = int(((host[1:] - host[:-1] + chunk_size - 1) // chunk_size).sum())
+        return known
+
+    prepare_chunk_offsets._stitch_known_end = True
+    return prepare_chunk_offsets
+
+
+@functools.cache
+def _offsets_known_on_host() -> bool:
+    """Install ``known_chunk_offsets`` where fla's chunked state kernels (``fla.ops.common.chunk_h``) look it up;
+    False where that module or name is missing (another fla: nothing changes, its reads stay)."""
+    try:
+        from fla.ops.common import chunk_h
+    except Exception:  # noqa: BLE001 - an fla that does not import here has nothing to patch
+        return False
+    original = getattr(chunk_h, "prepare_chunk_offsets", None)
+    if original is None or getattr(original, "_stitch_known_end", False):
+        return original is not None
+    chunk_h.prepare_chunk_offsets = known_chunk_offsets(original)
+    return True
 
 
 def fla_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
