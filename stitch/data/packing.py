@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -150,12 +150,27 @@ class Batch:
     features: torch.Tensor  # [items, tokens, width], in placeholder order across the batch
     row_ids: list[str]
     tokens: int  # real (non-padding) tokens
+    # the batch as collated, on the host, kept by ``to``: the model reads sample starts, label and placeholder
+    # positions from it, so the step never asks the device for them (each ask is a sync that idles the GPU)
+    host: Batch | None = field(default=None, repr=False, compare=False)
 
     def to(self, device: torch.device | str) -> Batch:
-        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        """The batch on ``device``. To a GPU the tensors go through pinned memory without blocking the host, which
+        a copy from pageable memory does (it synchronises); the host batch stays reachable as ``host``."""
+        device = torch.device(device)
+        pin = device.type == "cuda" and torch.cuda.is_available()
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if pin and t.device.type == "cpu":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        on_host = self.input_ids.device.type == "cpu"
         return Batch(
             move(self.input_ids), move(self.labels), move(self.position_ids), move(self.attention_mask),
-            move(self.features), self.row_ids, self.tokens,
+            move(self.features), self.row_ids, self.tokens, host=self if on_host else self.host,
         )
 
 

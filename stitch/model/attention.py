@@ -172,7 +172,26 @@ def register() -> str:
 
     AttentionInterface.register(NAME, stitch_varlen_attention)
     AttentionMaskInterface.register(NAME, stitch_varlen_mask)
+    _skip_sample_detection_in_packed_calls()
     return NAME
+
+
+def _skip_sample_detection_in_packed_calls() -> None:
+    """transformers looks for packed samples in the position ids before it calls the mask interface, and that
+    look reads the device (a sync per mask, per forward). In a packed call stitch's mask interface returns no mask
+    and the attention takes the sample starts StitchedModel hands it, so the look is skipped there."""
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None or getattr(original, "_stitch_skips_packed_calls", False):
+        return
+
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if _PACKED_CALL.get() else original(position_ids)
+
+    find_packed_sequence_indices._stitch_skips_packed_calls = True
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
 def use_varlen_attention(lm: torch.nn.Module) -> bool:

@@ -19,6 +19,7 @@ def scatter_soft_tokens(
     *,
     row_ids: Sequence[str] | None = None,
     items_per_row: Sequence[int] | None = None,
+    positions: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """A copy of ``inputs_embeds [B, T, H]`` whose placeholder positions hold ``soft_tokens`` in order.
 
@@ -26,6 +27,9 @@ def scatter_soft_tokens(
     (row-major over ``input_ids``). ``items_per_row`` (one count per batch row) lets a count mismatch name
     the exact rows at fault; otherwise the error names every row in ``row_ids``. Gradients flow to both
     ``inputs_embeds`` and ``soft_tokens``.
+
+    ``positions``: the placeholders' flat positions over ``[B * T]`` (on the embeddings' device) and their count,
+    found on the host before the batch moved; then neither the count check nor the scatter reads the device.
     """
     hidden = inputs_embeds.shape[-1]
     if soft_tokens.shape[-1] != hidden:
@@ -34,7 +38,12 @@ def scatter_soft_tokens(
             f"the projector was built for a different base model"
         )
     flat = soft_tokens.reshape(-1, hidden)
-    mask = input_ids == placeholder_id
+    if positions is not None and positions[1] == flat.shape[0]:
+        if positions[1] == 0:
+            return inputs_embeds
+        out = inputs_embeds.reshape(-1, hidden).index_copy(0, positions[0], flat.to(inputs_embeds.dtype))
+        return out.reshape(inputs_embeds.shape)
+    mask = input_ids == placeholder_id  # also when the host count disagrees: the error below names the rows
     found = int(mask.sum())
     if found != flat.shape[0]:
         raise PlaceholderCountError(_count_message(mask, soft_tokens, found, flat.shape[0], row_ids, items_per_row))

@@ -3,6 +3,7 @@ are scattered into the LM's input embeddings at placeholder positions."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,11 +14,30 @@ from stitch.model.attention import packed_call, use_varlen_attention
 from stitch.model.cross_entropy import linear_cross_entropy
 from stitch.model.precision import HALF, lora_in_half_compute, projector_in_half_compute
 from stitch.model.scatter import scatter_soft_tokens
-from stitch.model.varlen import varlen_kwargs
+from stitch.model.varlen import attach_host_copy, varlen_kwargs
 
 # config fields that make logits more than ``lm_head(hidden)``: such models take the full-logits loss
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
                      "output_multiplier_scale")
+
+
+@dataclass(frozen=True)
+class HostIndex:
+    """Positions of one batch found on the host (from ``Batch.host``) and moved with it, so the training step
+    asks the device for nothing: each ``int(tensor)``, boolean-mask index or ``nonzero`` on a GPU tensor is a sync
+    that drains the launch queue and idles the GPU while the host catches up."""
+
+    placeholders: torch.Tensor  # flat positions over [rows * length] of the placeholder tokens
+    n_placeholders: int
+    labels: torch.Tensor  # flat positions p over [rows * length] whose next token (p + 1) is labelled
+    n_labels: int
+    varlen: dict[str, Any] | None  # packed rows: ``varlen_kwargs`` on the device (int32 starts, longest sample)
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 class StitchedModel(nn.Module):
@@ -44,7 +64,34 @@ class StitchedModel(nn.Module):
     def device(self) -> torch.device:
         return next(self.projector.parameters()).device
 
-    def embed(self, input_ids: torch.Tensor, features: torch.Tensor, row_ids: list[str] | None = None) -> torch.Tensor:
+    def host_index(self, batch: Any) -> HostIndex | None:
+        """The batch's ``HostIndex`` (made once per batch), or None for a batch without its host copy."""
+        host = getattr(batch, "host", None)
+        if host is None:
+            return None
+        cached = batch.__dict__.get("_stitch_index")
+        if cached is not None and cached[0] == self.placeholder_id:
+            return cached[1]
+        device = batch.input_ids.device
+        ids = host.input_ids
+        width = ids.shape[1]
+        placeholders = (ids.reshape(-1) == self.placeholder_id).nonzero().squeeze(1)
+        rows, cols = (host.labels[:, 1:] != -100).nonzero(as_tuple=True)
+        labels = rows * width + cols
+        varlen = None
+        pos = host.position_ids
+        if self.varlen_attention and batch.attention_mask is None and pos is not None and pos.dim() == 2:
+            found = varlen_kwargs(pos)  # on the host: no sync
+            cu = _to_device(found["cu_seq_lens_q"], device)
+            attach_host_copy(cu, found["cu_seq_lens_q"].long(), _to_device(found["cu_seq_lens_q"].long(), device))
+            varlen = {**found, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+        index = HostIndex(_to_device(placeholders, device), len(placeholders), _to_device(labels, device),
+                          len(labels), varlen)
+        batch.__dict__["_stitch_index"] = (self.placeholder_id, index)
+        return index
+
+    def embed(self, input_ids: torch.Tensor, features: torch.Tensor, row_ids: list[str] | None = None,
+              index: HostIndex | None = None) -> torch.Tensor:
         """Text embeddings with each placeholder replaced by the projector's soft tokens, in order."""
         embeds = self.lm.get_input_embeddings()(input_ids)
         if features.numel() == 0:
@@ -53,7 +100,7 @@ class StitchedModel(nn.Module):
         soft = self.projector(features.to(device=embeds.device, dtype=dtype))
         return scatter_soft_tokens(
             embeds, input_ids, soft.reshape(-1, soft.shape[-1]).to(embeds.dtype), self.placeholder_id,
-            row_ids=row_ids,
+            row_ids=row_ids, positions=None if index is None else (index.placeholders, index.n_placeholders),
         )
 
     def forward(self, batch: Any) -> torch.Tensor:
@@ -64,15 +111,17 @@ class StitchedModel(nn.Module):
 
     def _run(self, module: nn.Module, batch: Any) -> tuple[Any, tuple[int, int] | None]:
         """``module`` (the LM or its decoder) on the batch; packed rows go as one row carrying the sample starts."""
-        embeds = self.embed(batch.input_ids, batch.features, batch.row_ids)
+        index = self.host_index(batch)
+        embeds = self.embed(batch.input_ids, batch.features, batch.row_ids, index=index)
         pos = batch.position_ids
         if not self.varlen_attention or batch.attention_mask is not None or pos is None or pos.dim() != 2:
             out = module(inputs_embeds=embeds, attention_mask=batch.attention_mask, position_ids=pos, use_cache=False)
             return out, None
         rows, width = pos.shape
+        found = index.varlen if index is not None and index.varlen is not None else varlen_kwargs(pos)
         with packed_call():
             out = module(inputs_embeds=embeds.reshape(1, rows * width, -1), attention_mask=None,
-                         position_ids=pos.reshape(1, rows * width), use_cache=False, **varlen_kwargs(pos))
+                         position_ids=pos.reshape(1, rows * width), use_cache=False, **found)
         return out, (rows, width)
 
     def logits(self, batch: Any) -> torch.Tensor:
@@ -99,11 +148,19 @@ class StitchedModel(nn.Module):
     def loss(self, batch: Any) -> tuple[torch.Tensor, int]:
         """Mean next-token cross-entropy over labelled tokens; returns (loss, labelled token count).
 
-        Logits are fp32 as before, but only for labelled tokens and one chunk at a time."""
+        Logits are fp32 as before, but only for labelled tokens and one chunk at a time. With the batch's host copy
+        (``Batch.to``) the labelled positions come from the host: the same tokens in the same order, no sync."""
         target = batch.labels[:, 1:]
-        keep = target != -100
-        n = int(keep.sum())
+        index = self.host_index(batch)
         head = self._plain_head()
+        if index is not None and head is not None:
+            hidden = self.hidden_states(batch)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            picked = batch.labels.reshape(-1).index_select(0, index.labels + 1)
+            loss = linear_cross_entropy(flat.index_select(0, index.labels), head, picked)
+            return loss / max(index.n_labels, 1), index.n_labels
+        keep = target != -100
+        n = index.n_labels if index is not None else int(keep.sum())
         if head is None:
             logits = self.logits(batch)[:, :-1].float()
             loss = nn.functional.cross_entropy(
