@@ -43,7 +43,10 @@ class AlignmentStage(Stage):
         batch = collate_packs(dp.rows(packs), ctx.session.pad_id, self.packed,
                               length=opts.token_budget if self.packed else None).to(ctx.session.device)
         loss, n_labels = ctx.model.loss(batch)
-        loss_value, tokens, objective = float(loss.detach()), batch.tokens, loss
+        tokens, objective = batch.tokens, loss
+        # one process reads the loss once the whole step is queued (reading it before backward would idle the GPU
+        # between the two); data-parallel ranks need it before, to weigh their objective by the global label count
+        loss_value = float(loss.detach()) if dp.active else None
         if dp.active:
             # normalise by the global label count; the gradient reduce-scatter averages over ranks, hence
             # x world: the averaged gradient is the one-process gradient of the whole batch
@@ -52,6 +55,8 @@ class AlignmentStage(Stage):
             loss_value, n_labels, tokens = loss_sum / max(n_global, 1.0), int(n_global), int(tokens)
         objective.backward()
         ctx.update()
+        if loss_value is None:
+            loss_value = float(loss.detach())
         self.tokens_seen += tokens
         fill = tokens / (len(packs) * opts.token_budget) if self.packed else 1.0
         return {"loss": loss_value, "tokens": tokens, "label_tokens": n_labels, "pack_fill": round(fill, 4),
