@@ -207,6 +207,17 @@ class ClipImageEncoder:
         self._tower = torch.compile(self._patches, dynamic=False)
         self.compiled_batch = batch_size
 
+    def warm_up(self, batch_size: int) -> None:
+        """Encode one batch of black images of the crop size: the device's context, library handles and the
+        kernels of a ``batch_size`` batch are set up before the first real batch (prepare does this while its
+        workers decode the first shard). Nothing to set up on the CPU."""
+        if self.device.type != "cuda":
+            return
+        crop = dict(getattr(self.processor, "crop_size", None) or {})
+        height, width = crop.get("height", 224), crop.get("width", 224)
+        self.encode(torch.zeros((batch_size, 3, height, width), dtype=torch.uint8))
+        torch.cuda.synchronize(self.device)
+
     def normalise(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 [B, 3, H, W] -> the tower's input on its device: ``(x * rescale - mean) / std`` in float32 (the
         processor's arithmetic), then the tower's dtype."""

@@ -185,3 +185,29 @@ def test_the_encoder_runs_on_the_callers_torch_threads_and_they_are_restored(tmp
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_fresh_run_warms_the_encoder_up_in_its_loader_thread_before_the_first_encode(tmp_path, host_module):
+    import threading
+
+    inner = host_module.get("encoders", ENCODER)
+    events: list[tuple[str, str, int | None]] = []
+
+    class Warmable:
+        def __init__(self, encoder) -> None:
+            self.encoder = encoder
+
+        def warm_up(self, batch_size: int) -> None:
+            events.append(("warm_up", threading.current_thread().name, batch_size))
+
+        def encode(self, items):
+            events.append(("encode", threading.current_thread().name, None))
+            return self.encoder.encode(items)
+
+    host = _EncoderHost(host_module, lambda source, device, dtype: Warmable(inner.load(source, device, dtype)))
+    recipe = load_recipe(write_recipe(tmp_path, prepare={"workers": 1}))
+    prepare(recipe, tmp_path / "out", host=host, progress=False)
+    kinds = [kind for kind, _, _ in events]
+    assert kinds[0] == "warm_up" and kinds.count("warm_up") == 1 and "encode" in kinds
+    assert events[0][1].startswith("stitch-encoder-load") and events[0][2] == recipe.data.encode_batch_size
+    assert all(not thread.startswith("stitch-encoder-load") for kind, thread, _ in events if kind == "encode")

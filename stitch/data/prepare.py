@@ -146,7 +146,10 @@ class PhaseClock:
     a phase entered inside another pauses the outer one, so the phases never count a second twice."""
 
     PHASES = {
-        "startup": "tokenizer and preprocessing load, worker start, opening the stream",
+        "tokenizer_load": "loading the tokenizer the prompts are checked with",
+        "workers_start": "starting the decode worker processes",
+        "stream_open": "opening the dataset stream (datasets resolves the source's files)",
+        "startup": "the rest of start-up: the encoder's preprocessing config, the writer and the encoder's loader",
         "scan": "reading rows from the stream and checking their text columns",
         "media_wait": "waiting for workers' tokenized and decoded rows (with 0 workers: doing that work)",
         "encoder_load": "waiting for the encoder to load (it loads in a thread from the start of a fresh run)",
@@ -722,8 +725,13 @@ class _Preparation:
         self.writes: deque[tuple[str, list[_PendingRow], Future | str, int]] = deque()  # shards not yet in manifest
         self.writer: ThreadPoolExecutor | None = None
 
-    def load_encoder(self) -> Any:
-        return self.spec.load(self.spec.source, self.device, self.dtype)
+    def load_encoder(self, warm: bool = False) -> Any:
+        """The encoder; ``warm``: also run its optional ``warm_up(batch_size)`` (CUDA context, library handles and
+        kernels of the first batch), which the loader thread does so the first shard's encode does not wait for it."""
+        encoder = self.spec.load(self.spec.source, self.device, self.dtype)
+        if warm and callable(getattr(encoder, "warm_up", None)):
+            encoder.warm_up(self.data.encode_batch_size)
+        return encoder
 
     def preload_encoder(self) -> None:
         """Start loading the encoder (weights, CUDA) in a thread when the run must encode: its cache holds no shard
@@ -731,7 +739,7 @@ class _Preparation:
         following it; a re-run, whose shards may all exist, still loads it only when a shard is missing."""
         if self._encoder is None and not any(self.cache_dir.glob("*.safetensors")):
             loader = ThreadPoolExecutor(1, thread_name_prefix="stitch-encoder-load")
-            self._loading = loader.submit(self.load_encoder)
+            self._loading = loader.submit(self.load_encoder, True)
             loader.shutdown(wait=False)  # its one task still runs; the thread ends with it
 
     @property
@@ -970,7 +978,10 @@ class _Preparation:
         items = [(row.id, item) for row in rows for item in row.media]
         row_ends = set(itertools.accumulate(len(row.media) for row in rows))
         expected = (self.spec.tokens_per_item, self.spec.feature_width)
-        out = torch.empty((len(items), *expected), dtype=self.dtype)  # each batch lands in place: no cat
+        # each batch lands in place (no cat); on a GPU in pinned memory, so a batch's features come back while the
+        # host stacks the next batch, and the host waits once, for the last copy
+        gpu = self.device.startswith("cuda") and torch.cuda.is_available()
+        out = torch.empty((len(items), *expected), dtype=self.dtype, pin_memory=gpu)
         step = self.data.encode_batch_size
         for start in range(0, len(items), step):
             batch = items[start : start + step]
@@ -982,8 +993,10 @@ class _Preparation:
                     f"{batch[0][0]}..{batch[-1][0]}; its spec declares ({len(batch)}, {expected[0]}, {expected[1]})"
                 )
             with _one_host_thread():
-                out[start : start + len(batch)].copy_(features.detach())
+                out[start : start + len(batch)].copy_(features.detach(), non_blocking=features.is_cuda)
             bar.update(sum(1 for end in row_ends if start < end <= start + len(batch)))
+        if gpu:
+            torch.cuda.current_stream().synchronize()  # every copy into ``out`` has landed before it is written
         return out
 
     # -- whole run -------------------------------------------------------------------------------------
@@ -998,12 +1011,13 @@ class _Preparation:
         manifest_tmp = self.out_dir / f"{_TMP_PREFIX}{MANIFEST_NAME}"
         tmp = Path(tempfile.mkdtemp(prefix="stitch-prepare-"))
         with self.clock("startup"):
-            # the workers start before any thread of this run (tqdm, the writer, the encoder's loader)
-            pool = media_pool(self.data.prepare.worker_count, self.decoder)
+            with self.clock("workers_start"):
+                # the workers start before any thread of this run (tqdm, the writer, the encoder's loader)
+                pool = media_pool(self.data.prepare.worker_count, self.decoder)
             self.writer = ThreadPoolExecutor(1, thread_name_prefix="stitch-shard-writer")
             self.preload_encoder()
         try:
-            with self.clock("startup"):
+            with self.clock("stream_open"):
                 stream = open_stream(self.data.source, tmp / "datasets")
                 stream = _raw_media_stream(stream, self.data.columns.media)
             with open(manifest_tmp, "w", encoding="utf-8") as manifest, _progress(selected, self.progress) as bar:
@@ -1093,7 +1107,7 @@ def prepare(
         host = get_host()
     clock = PhaseClock()
     spec = host.get("encoders", recipe.encoder)
-    with clock("startup"):
+    with clock("tokenizer_load"):
         prompts = PromptCheck(recipe, host, spec.tokens_per_item)  # before the run directory exists: a bad model
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

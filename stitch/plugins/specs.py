@@ -86,7 +86,8 @@ class EncoderSpec:
     has no such form. ``stitch prepare`` runs it in worker processes and hands ``encode`` the stacked batch
     (a Tensor [B, ...] instead of a list of decoded items); its ``identity`` string joins the shard keys, so a
     change of preprocessing never reuses features made the old way. The loaded encoder may offer
-    ``compile(batch_size)`` (``data.prepare.compile``).
+    ``compile(batch_size)`` (``data.prepare.compile``) and ``warm_up(batch_size)`` (prepare's loader thread runs
+    it after ``load``, while the first shard decodes, so the first encode does not pay for device set-up).
     """
 
     name: str
