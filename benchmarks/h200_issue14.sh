@@ -10,6 +10,9 @@
 #   bash benchmarks/h200_issue14.sh round4    # fla sync test (+ its mutation), the three shapes, 10 timed steps a mode
 #   bash benchmarks/h200_issue14.sh prepare   # stitch prepare on 16k JPEGs, then encoder variants (no compile)
 #   bash benchmarks/h200_issue14.sh automodel # Qwen3.5-4B shape: NeMo AutoModel's class vs stitch packed vs stock
+#   bash benchmarks/h200_issue14.sh round5    # encoder variants; dense 4B + Nemotron 4B in one process; fla sync test
+#   bash benchmarks/h200_issue14.sh round5b   # fla sync test; Nemotron 4B packed/baseline/stock; stitch prepare
+#   bash benchmarks/h200_issue14.sh round5c   # Nemotron 4B packed + its padded baseline, 4 timed steps
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -106,6 +109,40 @@ case "${1:-dense}" in
     export PYTHONPATH=/tmp/site:/tmp/fla:/tmp/am:.
     timeout 280 python3 benchmarks/sft_automodel.py --out "$OUT" 2>&1 | tee "$OUT/sft_automodel.log" \
       | grep -v "^USDT" | tail -12
+    ;;
+  round5)  # encoder variants (PatchGemm vs the conv it replaced, eager and compiled), then dense 4B and
+    # Nemotron-Nano-4B in ONE process (packed, baseline, stock, llava; device syncs with their sources), then the
+    # fla sync test; autotuning results are kept on disk for a back-to-back second call
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout 110 python3 benchmarks/encode_variants.py --variants shipped,conv_patch,shipped_compile,conv_patch_compile,pipelined_compile \
+      --out "$OUT" 2>&1 | tee "$OUT/encode.log" | grep -v "^USDT" | grep -v Loading | tail -6
+    timeout 390 python3 benchmarks/sft_throughput.py --shapes dense4b,nemotron4b --steps 10 --warmup 3 \
+      --modes packed,baseline,stock,llava --tag _round5 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|dense /" | cut -c1-400
+    timeout 60 python3 -m pytest -q -rs -p no:cacheprovider -k read_nothing_back tests/test_nemotron_kernels.py 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -3
+    ;;
+  round5b)  # the fla sync test (now with chunk offsets known on the host), Nemotron-Nano-4B packed / baseline /
+    # stock, then the shipped stitch prepare on 16k JPEGs (encoder warm-up in its loader thread, async copies back)
+    bash benchmarks/install_kernels.sh /tmp/fla
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/*.whl
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 100 python3 -m pytest -q -rs -p no:cacheprovider -k "read_nothing_back or gpu" tests/test_nemotron_kernels.py \
+      2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    timeout 330 python3 benchmarks/sft_throughput.py --shapes nemotron4b --steps 8 --warmup 2 \
+      --modes packed,baseline,stock --tag _round5b --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|packed:" | cut -c1-300
+    timeout 110 python3 benchmarks/prepare_stitch.py --skip-encode --out "$OUT" 2>&1 | tee "$OUT/prepare.log" \
+      | grep -v "^USDT" | grep -E "^prepare" | cut -c1-1500
+    ;;
+  round5c)  # Nemotron-Nano-4B packed and its own padded baseline in one process: 4 timed steps (fla autotunes once
+    # per padded length, ~50 s each, so the baseline's warm-up pass over its 4 batches dominates the call)
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 520 python3 benchmarks/sft_throughput.py --shapes nemotron4b --steps 4 --warmup 2 --skip-parity \
+      --modes packed,baseline --tag _round5c --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|packed:|baseline:" | cut -c1-300
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla

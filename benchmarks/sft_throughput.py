@@ -256,6 +256,7 @@ def build_stitched(shape: str, args, host, device, lm=None, spec=None):
     from stitch.model.cross_entropy import uses_liger
     from stitch.model.loading import packs_loaded
     from stitch.model.stitched import StitchedModel
+    from stitch.stages.loop import make_optimizer
 
     cls, cfg, spec_name = build_lm(shape, args.smoke)
     spec = spec or host.get("models", spec_name)
@@ -295,10 +296,11 @@ def build_stitched(shape: str, args, host, device, lm=None, spec=None):
         {"params": [p for p in model.projector.parameters() if p.requires_grad], "lr": 1e-3},
         {"params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n], "lr": 3e-3},
     ]
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    optimizer = make_optimizer(groups, 0.0)  # the shipped loop's AdamW (fused on a GPU, as HF Trainer's default)
     info = {
         "architecture": type(lm.get_base_model()).__name__,
         "attn_implementation": lm.get_base_model().config._attn_implementation,
+        "optimizer": "AdamW" + (" fused" if optimizer.defaults.get("fused") else " (torch default)"),
         "packed_attention": packed_attention_path(device, lm),
         "half_compute": model.half_compute,
         "fused_kernels": fused,
@@ -462,7 +464,8 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         "step_s_min": round(min(times), 4),
         "step_s_median": round(statistics.median(times), 4),
         "host_batch_s_median": round(statistics.median(host_s[args.warmup:args.warmup + steps]), 4),
-        "device_syncs_per_step": syncs,
+        "device_syncs_per_step": syncs and syncs["n"],
+        "device_sync_sources": syncs and syncs["sources"],
         "real_tokens_per_step": round(real / steps, 1),
         "padded_tokens_per_step": round(padded / steps, 1),
         "padding_share": round(1 - real / padded, 4),
@@ -556,7 +559,8 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
         "step_s_mean": round(total / len(times), 4),
         "step_s_min": round(min(times), 4),
         "step_s_median": round(statistics.median(times), 4),
-        "device_syncs_per_step": syncs,
+        "device_syncs_per_step": syncs and syncs["n"],
+        "device_sync_sources": syncs and syncs["sources"],
         "real_tokens_per_step": tokens,
         "padding_share": 0.0,
         "attn_implementation": args.attn,
@@ -573,23 +577,41 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
     }
 
 
-def count_syncs(one_step) -> int | None:
-    """Device synchronisations in one more step (torch's sync debug mode warns at each); None off a GPU. A sync
-    drains the launch queue, so the GPU idles while the host launches again: worth counting, not only timing."""
+def count_syncs(one_step) -> dict | None:
+    """Device synchronisations in one more step (torch's sync debug mode warns at each) and where they come from
+    (the innermost Python frames, most frequent first); None off a GPU. A sync drains the launch queue, so the GPU
+    idles while the host launches again: worth counting, not only timing."""
     if not torch.cuda.is_available():
         return None
+    import collections
+    import traceback
     import warnings
 
+    sources: collections.Counter = collections.Counter()
+
+    def short(path: str) -> str:
+        for marker in ("site-packages/", "dist-packages/", "/fla/", "/stitch"):
+            if marker in path:
+                return path.split(marker, 1)[1] if marker.endswith("/") else marker.strip("/") + path.split(marker, 1)[1]
+        return path.rsplit("/", 2)[-1]
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename][-4:]
+        sources[" < ".join(f"{short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))] += 1
+
     sync()
-    with warnings.catch_warnings(record=True) as seen:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             one_step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     sync()
-    return sum("synchroniz" in str(w.message) for w in seen)
+    return {"n": sum(sources.values()), "sources": [[where, n] for where, n in sources.most_common(15)]}
 
 
 def profile_steps(one_step, steps: int, top: int = 30) -> dict:
@@ -657,8 +679,9 @@ def packing_parity(model, samples, budget: int, device) -> dict:
         lp, n_p = model.loss(packed)
         lu, n_u = model.loss(unpacked)
         stitched.varlen_kwargs = one_span
-        try:
-            leaky = float(model.loss(packed)[0]) if model.varlen_attention else None
+        try:  # a batch of its own: a moved batch keeps the sample starts it was first run with
+            leaky_batch = collate_packs([pack], 0, packed=True, length=budget).to(device)
+            leaky = float(model.loss(leaky_batch)[0]) if model.varlen_attention else None
         finally:
             stitched.varlen_kwargs = real_kwargs
     return {"samples": len(pack), "labels": [n_p, n_u], "packed_loss": float(lp), "unpacked_loss": float(lu),
@@ -672,13 +695,16 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
     t0 = time.perf_counter()
     model, optimizer, groups, ids, info = build_stitched(shape, args, host, device)
     info["build_s"] = round(time.perf_counter() - t0, 1)
-    if shape == "nemotron4b" and (info.get("recurrent_layers_path") or "").startswith("fla"):
+    if args.skip_parity:
+        info["parity"] = "skipped (--skip-parity)"
+    elif shape == "nemotron4b" and (info.get("recurrent_layers_path") or "").startswith("fla"):
         info["mamba2_parity"] = mamba2_parity(model)
     samples, pixels = make_samples(
         args.samples, info["vocab_size"], ids, args.text_min, args.text_max, 0, args.pixel_pool, args.smoke
     )
     # near 0 when attention (and a hybrid's recurrent layers) keep samples apart; the leaky control shows the gap
-    info["packing_parity"] = packing_parity(model, samples, args.budget, device)
+    if not args.skip_parity:
+        info["packing_parity"] = packing_parity(model, samples, args.budget, device)
     log(json.dumps(info))
     modes = {}
     for mode in args.modes.split(","):
@@ -753,6 +779,8 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="result file name (default sft_<shape>)")
     ap.add_argument("--tag", default="", help="suffix for the result name, e.g. _fla")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run")
+    ap.add_argument("--skip-parity", action="store_true",
+                    help="skip the packed-vs-unpacked and Mamba-2 kernel parity checks (each autotunes fla again)")
     args = ap.parse_args()
     if args.smoke:
         args.budget, args.steps, args.warmup, args.samples, args.baseline_batch, args.pixel_pool = (
