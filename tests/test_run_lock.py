@@ -61,3 +61,33 @@ def test_the_lock_is_released_at_exit_and_reentrant_within_one_process(tmp_path)
             pass
         assert (tmp_path / LOCK_NAME).exists()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+RACER = """
+import os, sys, time
+from stitch.runs.lock import RunLock, RunLockedError
+go = sys.argv[2]
+while not os.path.exists(go):
+    time.sleep(0.001)
+try:
+    with RunLock(sys.argv[1], "race"):
+        print("won", flush=True)
+        time.sleep(1.5)
+except RunLockedError:
+    print("refused", flush=True)
+"""
+
+
+def test_processes_racing_for_a_killed_processs_lock_let_exactly_one_win(tmp_path, holder):
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert (tmp_path / LOCK_NAME).exists()
+    go = tmp_path / "go"
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(go)], stdout=subprocess.PIPE,
+                               text=True) for _ in range(6)]
+    import time
+
+    time.sleep(2.0)  # every racer imported and is polling for the start
+    go.touch()
+    outcomes = sorted(r.communicate(timeout=60)[0].strip() for r in racers)
+    assert outcomes == ["refused"] * 5 + ["won"]
