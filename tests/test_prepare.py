@@ -134,6 +134,19 @@ def test_rerun_reuses_every_shard_without_calling_the_encoder(tmp_path, clip, ho
     assert dir_snapshot(tmp_path / "out") == before
 
 
+def test_a_rerun_removes_temp_files_a_killed_writer_left_including_safetensors_own(tmp_path, clip, host_module):
+    # safetensors >= 0.8 writes to a .tmpXXXXXX file beside the target and renames it; a SIGKILL mid-write leaves
+    # it behind, under a name that is not stitch's own .tmp-<pid>-<shard>
+    recipe = load_recipe(write_recipe(tmp_path))
+    prepare(recipe, tmp_path / "out", host=host_module, encoder=CountingEncoder(clip), progress=False)
+    before = dir_snapshot(tmp_path / "out")
+    cache = tmp_path / "out" / CACHE_DIRNAME
+    (cache / ".tmpB9tdK3").write_bytes(b"half a shard")
+    (cache / f".tmp-{os.getpid()}-0123.safetensors").write_bytes(b"half another")
+    prepare(recipe, tmp_path / "out", host=host_module, encoder=CountingEncoder(clip), progress=False)
+    assert dir_snapshot(tmp_path / "out") == before
+
+
 def test_interrupted_prepare_resumes_without_reencoding_finished_shards(tmp_path, clip, host_module):
     recipe = load_recipe(write_recipe(tmp_path))  # shards of 12 rows, encoded in batches of 6
     reference = prepare(recipe, tmp_path / "reference", host=host_module, encoder=clip, progress=False)

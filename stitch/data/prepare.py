@@ -1005,7 +1005,8 @@ class _Preparation:
         selected = sum(p.rows for p in self.data.partitions)
         self.check_retained(selected * self.item_bytes, f"for {selected} rows of features (before encoding)")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.cache_dir.glob(f"{_TMP_PREFIX}*"):  # left by a killed run
+        # left by a killed run: ours (.tmp-<pid>-<shard>) and safetensors' own (it writes .tmpXXXXXX, then renames)
+        for stale in self.cache_dir.glob(".tmp*"):
             stale.unlink(missing_ok=True)
         manifest_path = self.out_dir / MANIFEST_NAME
         manifest_tmp = self.out_dir / f"{_TMP_PREFIX}{MANIFEST_NAME}"
