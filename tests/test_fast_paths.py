@@ -24,14 +24,14 @@ FEATURE_WIDTH = 16
 IMAGE_TOKENS = 3
 
 
-def build(name: str, seed: int = 0) -> StitchedModel:
+def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> StitchedModel:
     """A tiny preset in fp32 with a LoRA adapter (non-zero B, so it acts) and a projector; hybrids get the sample-start
     path their loaders install (stitch's PyTorch reference on CPU)."""
     from peft import LoraConfig, get_peft_model
 
     host = load_plugins()
     spec = host.get("models", name)
-    lm = load_model(spec, dtype=torch.float32)
+    lm = load_model(spec, dtype=dtype)
     lm.requires_grad_(False)
     if name == "qwen3.5-tiny":
         from stitch_qwen.kernels import use_varlen
@@ -343,3 +343,29 @@ def test_a_packed_step_with_its_host_index_runs_no_op_that_would_read_the_device
         loss, _ = model.loss(moved)
         loss.backward()
     assert reads.found == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch's sync debug mode, varlen flash)")
+def test_on_a_gpu_a_moved_packed_batch_matches_the_mask_path_and_its_step_never_syncs(monkeypatch):
+    import dataclasses
+
+    # liger's fused cross-entropy reads its label count from the device (3 syncs a step, measured on the H200):
+    # this test holds stitch's own path, the chunked loss
+    monkeypatch.setattr(cross_entropy, "uses_liger", lambda hidden: False)
+    model = build("qwen3.5-demo", dtype=torch.bfloat16).cuda()
+    pack = samples(model)
+    moved = collate_packs([pack[:3], pack[3:]], pad_id=0, packed=True).to("cuda")
+    loss_mask, grads_mask = loss_and_grads(model, dataclasses.replace(moved, host=None))  # device masks
+    model.host_index(moved)
+    loss_and_grads(model, moved)  # first use: kernels load, caches fill
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any sync inside raises
+    try:
+        model.zero_grad(set_to_none=True)
+        loss, _ = model.loss(moved)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert float(loss) == loss_mask
+    assert all(torch.equal(grads[k], grads_mask[k]) for k in grads_mask)
