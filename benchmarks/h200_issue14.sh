@@ -136,8 +136,8 @@ case "${1:-dense}" in
     timeout 110 python3 benchmarks/prepare_stitch.py --skip-encode --out "$OUT" 2>&1 | tee "$OUT/prepare.log" \
       | grep -v "^USDT" | grep -E "^prepare" | cut -c1-1500
     ;;
-  round5c)  # Nemotron-Nano-4B packed and its own padded baseline in one process: 4 timed steps (fla autotunes once
-    # per padded length, ~50 s each, so the baseline's warm-up pass over its 4 batches dominates the call)
+  round5c)  # Nemotron-Nano-4B packed and its own padded baseline in one process, 4 timed steps: fla autotunes its
+    # varlen kernels in packed's first step and its unpacked ones in the baseline's (110-170 s each on a fresh host)
     bash benchmarks/install_kernels.sh /tmp/fla
     export PYTHONPATH=/tmp/site:/tmp/fla:.
     timeout 520 python3 benchmarks/sft_throughput.py --shapes nemotron4b --steps 4 --warmup 2 --skip-parity \
