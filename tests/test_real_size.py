@@ -141,6 +141,20 @@ print(json.dumps({"peak_delta": status("VmHWM:") - before, "total": index["metad
 """
 
 
+def test_a_rewrite_removes_what_a_killed_shard_write_left_and_writes_the_same_snapshot(tmp_path, host, narrow):
+    spec = host.get("models", "qwen3.5-4b")
+    out = tmp_path / "again"
+    shard = sorted(set(_keys(narrow["qwen3.5-4b"]).values()))[0]
+    left = out / f".{shard}.partial.d"  # a write killed midway: safetensors' own temp file inside the shard's folder
+    left.mkdir(parents=True)
+    (left / ".tmpB9tdK3").write_bytes(b"half a shard")
+    (out / f".{shard}.partial").write_bytes(b"an older stitch's partial file")
+    write_model_snapshot(spec, out, layers=4, width=128, dtype=torch.float32, max_shard_bytes=64 * 2**10)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in narrow["qwen3.5-4b"].iterdir())
+    for name in _keys(out).values():
+        assert (out / name).read_bytes() == (narrow["qwen3.5-4b"] / name).read_bytes()
+
+
 def test_writer_host_memory_stays_near_one_shard_not_the_model(tmp_path):
     proc = subprocess.run([sys.executable, "-c", WRITER_MEMORY, str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -245,13 +245,22 @@ def write_random_weights(model: Any, out_dir: Path, *, rename: Callable[[str], s
 
 def _write_shard(shard: dict[str, Any], size: int, file_name: str, home: Path, out_dir: Path,
                  progress: Callable[[str], None] | None) -> None:
-    """One shard (``size`` bytes of tensors) to ``home`` atomically (a partial file renamed into place), linked from
-    ``out_dir`` if elsewhere."""
+    """One shard (``size`` bytes of tensors) to ``home`` atomically, linked from ``out_dir`` if elsewhere.
+
+    It is written inside a folder of its own (``.<file>.partial.d``) and renamed into place. safetensors itself
+    writes through a ``.tmpXXXXXX`` file beside its target, so a write killed midway leaves that file in the folder,
+    and the next write of the same shard removes the folder first: a re-run leaves no partial GiBs behind."""
+    import shutil
+
     from safetensors.torch import save_file
 
-    tmp = home / f".{file_name}.partial"
-    save_file(shard, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, home / file_name)
+    partial = home / f".{file_name}.partial.d"
+    shutil.rmtree(partial, ignore_errors=True)
+    (home / f".{file_name}.partial").unlink(missing_ok=True)  # the partial file an older stitch wrote
+    partial.mkdir(parents=True)
+    save_file(shard, str(partial / file_name), metadata={"format": "pt"})
+    os.replace(partial / file_name, home / file_name)
+    shutil.rmtree(partial, ignore_errors=True)
     if home != out_dir:
         link = out_dir / file_name
         link.unlink(missing_ok=True)
