@@ -141,6 +141,14 @@ class PackedStream:
             yield self.next_pack()
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; from the host to a GPU through pinned memory without blocking the host, which a
+    copy from pageable memory does (it synchronises)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [rows, length]
@@ -158,14 +166,9 @@ class Batch:
         """The batch on ``device``. To a GPU the tensors go through pinned memory without blocking the host, which
         a copy from pageable memory does (it synchronises); the host batch stays reachable as ``host``."""
         device = torch.device(device)
-        pin = device.type == "cuda" and torch.cuda.is_available()
 
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            if pin and t.device.type == "cpu":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
+            return None if t is None else to_device(t, device)
 
         on_host = self.input_ids.device.type == "cpu"
         return Batch(

@@ -693,6 +693,8 @@ class _Preparation:
         self.out_dir = out_dir
         self.cache_dir = out_dir / CACHE_DIRNAME
         self.device = device
+        # host buffers the encoder's device copies from and to: pinned, so the copies do not block the host
+        self.pinned = device.startswith("cuda") and torch.cuda.is_available()
         self.dtype = getattr(torch, self.data.feature_dtype)
         self.element_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.item_bytes = spec.tokens_per_item * spec.feature_width * self.element_bytes
@@ -968,8 +970,7 @@ class _Preparation:
         (in pinned memory when the encoder is on CUDA, so the copy to the device is asynchronous)."""
         if self.preprocess is None or not items:  # decode_item's items (a plugin's may differ in shape)
             return items
-        out = torch.empty((len(items), *items[0].shape), dtype=items[0].dtype,
-                          pin_memory=self.device.startswith("cuda") and torch.cuda.is_available())
+        out = torch.empty((len(items), *items[0].shape), dtype=items[0].dtype, pin_memory=self.pinned)
         with _one_host_thread():
             return torch.stack(items, out=out)
 
@@ -980,8 +981,7 @@ class _Preparation:
         expected = (self.spec.tokens_per_item, self.spec.feature_width)
         # each batch lands in place (no cat); on a GPU in pinned memory, so a batch's features come back while the
         # host stacks the next batch, and the host waits once, for the last copy
-        gpu = self.device.startswith("cuda") and torch.cuda.is_available()
-        out = torch.empty((len(items), *expected), dtype=self.dtype, pin_memory=gpu)
+        out = torch.empty((len(items), *expected), dtype=self.dtype, pin_memory=self.pinned)
         step = self.data.encode_batch_size
         for start in range(0, len(items), step):
             batch = items[start : start + step]
@@ -995,7 +995,7 @@ class _Preparation:
             with _one_host_thread():
                 out[start : start + len(batch)].copy_(features.detach(), non_blocking=features.is_cuda)
             bar.update(sum(1 for end in row_ends if start < end <= start + len(batch)))
-        if gpu:
+        if self.pinned:
             torch.cuda.current_stream().synchronize()  # every copy into ``out`` has landed before it is written
         return out
 

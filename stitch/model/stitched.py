@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stitch.data.packing import to_device
 from stitch.model import causal_lm
 from stitch.model.attention import packed_call, use_varlen_attention
 from stitch.model.cross_entropy import linear_cross_entropy
@@ -32,12 +33,6 @@ class HostIndex:
     labels: torch.Tensor  # flat positions p over [rows * length] whose next token (p + 1) is labelled
     n_labels: int
     varlen: dict[str, Any] | None  # packed rows: ``varlen_kwargs`` on the device (int32 starts, longest sample)
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 class StitchedModel(nn.Module):
@@ -79,13 +74,13 @@ class StitchedModel(nn.Module):
         rows, cols = (host.labels[:, 1:] != -100).nonzero(as_tuple=True)
         labels = rows * width + cols
         varlen = None
-        pos = host.position_ids
-        if self.varlen_attention and batch.attention_mask is None and pos is not None and pos.dim() == 2:
-            found = varlen_kwargs(pos)  # on the host: no sync
-            cu = _to_device(found["cu_seq_lens_q"], device)
-            attach_host_copy(cu, found["cu_seq_lens_q"].long(), _to_device(found["cu_seq_lens_q"].long(), device))
-            varlen = {**found, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
-        index = HostIndex(_to_device(placeholders, device), len(placeholders), _to_device(labels, device),
+        if self._packed(batch):
+            found = varlen_kwargs(host.position_ids)  # on the host: no sync
+            cu, wide = found["cu_seq_lens_q"], found["cu_seq_lens_q"].long()
+            on_device = to_device(cu, device)
+            attach_host_copy(on_device, wide, to_device(wide, device))
+            varlen = {**found, "cu_seq_lens_q": on_device, "cu_seq_lens_k": on_device}
+        index = HostIndex(to_device(placeholders, device), len(placeholders), to_device(labels, device),
                           len(labels), varlen)
         batch.__dict__["_stitch_index"] = (self.placeholder_id, index)
         return index
@@ -109,12 +104,17 @@ class StitchedModel(nn.Module):
     def _causal_lm(self) -> nn.Module:
         return causal_lm(self.lm)
 
+    def _packed(self, batch: Any) -> bool:
+        """Whether the batch runs as packed rows: sample starts instead of a mask, one flattened row."""
+        pos = batch.position_ids
+        return self.varlen_attention and batch.attention_mask is None and pos is not None and pos.dim() == 2
+
     def _run(self, module: nn.Module, batch: Any) -> tuple[Any, tuple[int, int] | None]:
         """``module`` (the LM or its decoder) on the batch; packed rows go as one row carrying the sample starts."""
         index = self.host_index(batch)
         embeds = self.embed(batch.input_ids, batch.features, batch.row_ids, index=index)
         pos = batch.position_ids
-        if not self.varlen_attention or batch.attention_mask is not None or pos is None or pos.dim() != 2:
+        if not self._packed(batch):
             out = module(inputs_embeds=embeds, attention_mask=batch.attention_mask, position_ids=pos, use_cache=False)
             return out, None
         rows, width = pos.shape
@@ -150,7 +150,6 @@ class StitchedModel(nn.Module):
 
         Logits are fp32 as before, but only for labelled tokens and one chunk at a time. With the batch's host copy
         (``Batch.to``) the labelled positions come from the host: the same tokens in the same order, no sync."""
-        target = batch.labels[:, 1:]
         index = self.host_index(batch)
         head = self._plain_head()
         if index is not None and head is not None:
@@ -159,6 +158,7 @@ class StitchedModel(nn.Module):
             picked = batch.labels.reshape(-1).index_select(0, index.labels + 1)
             loss = linear_cross_entropy(flat.index_select(0, index.labels), head, picked)
             return loss / max(index.n_labels, 1), index.n_labels
+        target = batch.labels[:, 1:]
         keep = target != -100
         n = index.n_labels if index is not None else int(keep.sum())
         if head is None:
