@@ -9,10 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
 
 BASE: dict[str, Any] = {
     "name": "small",
@@ -75,3 +78,27 @@ def kill_after_checkpoint(args: list[str], checkpoints: Path, step: int, env: di
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# aten ops that read a value back from the tensor's device (on a GPU each one is a sync that drains the launch queue)
+DEVICE_READS = {"nonzero", "_local_scalar_dense", "masked_scatter", "masked_select", "is_nonzero", "equal"}
+
+
+class DeviceReads(TorchDispatchMode):
+    """``with DeviceReads(ignore) as reads:`` records in ``reads.found`` each op inside that reads its tensor's
+    device (``DEVICE_READS`` or a boolean-mask index) as ``"op at <frame>"``, except where a line of the Python
+    stack contains one of the ``ignore`` markers. On the CPU this finds what would synchronise on a GPU."""
+
+    def __init__(self, ignore: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.ignore = ignore
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = func.overloadpacket.__name__
+        bool_index = op == "index" and any(t is not None and t.dtype == torch.bool for t in args[1])
+        if op in DEVICE_READS or bool_index:
+            stack = traceback.format_stack()
+            if not any(marker in "".join(stack) for marker in self.ignore):
+                self.found.append(f"{op} at {stack[-3].strip()}")
+        return func(*args, **(kwargs or {}))

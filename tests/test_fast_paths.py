@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from stitch_testing import DeviceReads
 
 from stitch.data.packing import Sample, collate_packs
 from stitch.model import attention, cross_entropy
@@ -309,37 +310,17 @@ def test_a_batch_moved_with_its_host_copy_gives_the_same_loss_and_gradients_bit_
     assert all(torch.equal(grads_index[k], grads_mask[k]) for k in grads_mask)
 
 
-# aten ops that read a value back from the tensor's device (on a GPU each one is a sync that drains the launch queue)
-DEVICE_READS = {"nonzero", "_local_scalar_dense", "masked_scatter", "masked_select", "is_nonzero", "equal"}
 # CPU-only stand-ins for GPU kernels, which read their sample starts as host numbers by design
 CPU_FALLBACKS = ("attend_per_sample", "reference_conv", "reference_scan", "if not cu.is_cuda")
 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_a_packed_step_with_its_host_index_runs_no_op_that_would_read_the_device(name):
-    import traceback
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class DeviceReads(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.found: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            op = func.overloadpacket.__name__
-            bool_index = op == "index" and any(t is not None and t.dtype == torch.bool for t in args[1])
-            if op in DEVICE_READS or bool_index:
-                stack = "".join(traceback.format_stack())
-                if not any(marker in stack for marker in CPU_FALLBACKS):
-                    self.found.append(f"{op} at {traceback.format_stack()[-3].strip()}")
-            return func(*args, **(kwargs or {}))
-
     model = build(name)
     pack = samples(model)
     moved = collate_packs([pack[:3], pack[3:]], pad_id=0, packed=True).to("cpu")
     model.host_index(moved)  # made once per batch, on the host, when the batch is first used
-    with DeviceReads() as reads:
+    with DeviceReads(ignore=CPU_FALLBACKS) as reads:
         loss, _ = model.loss(moved)
         loss.backward()
     assert reads.found == []

@@ -171,18 +171,11 @@ def test_fla_seqlens_hands_every_layer_the_same_int64_device_tensor_and_host_cop
 
 
 def test_chunk_offsets_answer_their_total_from_the_host_copy_without_reading_the_tensor():
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from stitch_testing import DeviceReads
 
     def offsets(cu_seqlens, chunk_size):  # what fla's prepare_chunk_offsets computes
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         return torch.nn.functional.pad((lens + chunk_size - 1) // chunk_size, (1, 0)).cumsum(-1)
-
-    class Reads(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Reads.count += func.overloadpacket.__name__ == "_local_scalar_dense"
-            return func(*args, **(kwargs or {}))
 
     known = varlen.known_chunk_offsets(offsets)
     cu = torch.tensor([0, 40, 170, 171, 300])
@@ -190,9 +183,9 @@ def test_chunk_offsets_answer_their_total_from_the_host_copy_without_reading_the
     assert known(cu, 64) is not None and type(known(cu, 64)) is torch.Tensor  # no host copy: fla's own tensor
     varlen.attach_host_copy(torch.tensor([0, 40, 170, 171, 300], dtype=torch.int32), cu.clone(), cu)
     answer = known(cu, 64)
-    with Reads():
+    with DeviceReads() as reads:
         total = answer[-1].item()
-    assert total == int(plain[-1]) == 1 + 3 + 1 + 3 and Reads.count == 0
+    assert total == int(plain[-1]) == 1 + 3 + 1 + 3 and reads.found == []
     assert torch.equal(answer + 0, plain) and type(answer + 0) is torch.Tensor and torch.equal(answer[:-1], plain[:-1])
     assert answer.data_ptr() == plain.data_ptr() or torch.equal(answer.as_subclass(torch.Tensor), plain)
 
