@@ -13,6 +13,8 @@
 #   bash benchmarks/h200_issue14.sh round5    # encoder variants; dense 4B + Nemotron 4B in one process; fla sync test
 #   bash benchmarks/h200_issue14.sh round5b   # fla sync test; Nemotron 4B packed/baseline/stock; stitch prepare
 #   bash benchmarks/h200_issue14.sh round5c   # Nemotron 4B packed + its padded baseline, 4 timed steps
+#   bash benchmarks/h200_issue14.sh round6    # unrun GPU tests; dense 4B + Qwen3.5-4B in one process, four modes
+#   bash benchmarks/h200_issue14.sh round6b   # the fla sync test (long timeout), AutoModel vs stitch, Qwen3.5 test
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -143,6 +145,28 @@ case "${1:-dense}" in
     timeout 520 python3 benchmarks/sft_throughput.py --shapes nemotron4b --steps 4 --warmup 2 --skip-parity \
       --modes packed,baseline --tag _round5c --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
       | grep -E "stock =|packed:|baseline:" | cut -c1-300
+    ;;
+  round6)  # the GPU tests that never ran (a moved packed batch, fused AdamW), then dense 4B and Qwen3.5-4B in ONE
+    # process: packed, cached_padded, baseline, stock, device syncs with their sources (Qwen3.5's fla rule now gets
+    # the sample starts' host copy). Autotuning results stay on disk for a back-to-back round6b.
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -k gpu tests/test_fast_paths.py tests/test_optimizer.py \
+      2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    timeout 400 python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 8 --warmup 2 \
+      --modes packed,cached_padded,baseline,stock --tag _round6 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|dense /" | cut -c1-400
+    ;;
+  round6b)  # the fla GPU tests with room for fla's first autotune (Nemotron's sync test, Qwen3.5 packed = alone),
+    # then AutoModel's own Qwen3.5 class beside stitch packed / padded / stock
+    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
+    [ -d /tmp/am/nemo_automodel ] || bash benchmarks/h200_issue16.sh setup >/dev/null
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -k "read_nothing_back or gpu" \
+      tests/test_nemotron_kernels.py tests/test_qwen_kernels.py 2>&1 | tee "$OUT/gpu_tests_fla.log" | tail -4
+    export PYTHONPATH=/tmp/site:/tmp/fla:/tmp/am:.
+    timeout 280 python3 benchmarks/sft_automodel.py --out "$OUT" 2>&1 | tee "$OUT/sft_automodel.log" \
+      | grep -v "^USDT" | tail -12
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla

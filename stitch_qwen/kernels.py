@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from stitch.api import fla_conv, fla_kernels_importable, flatten_packed_rows, reference_conv, segments
+from stitch.api import (
+    fla_conv,
+    fla_kernels_importable,
+    fla_seqlens,
+    flatten_packed_rows,
+    reference_conv,
+    segments,
+)
 
 log = logging.getLogger("stitch")
 
@@ -44,8 +51,10 @@ def _conv(original: Any) -> Any:
 
 def _rule(original: Any) -> Any:
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, *args, cu_seqlens=None, **kwargs):
-        if cu_seqlens is None or _on_fla(query):  # fla's kernel takes the starts itself
-            return original(query, key, value, g, beta, *args, cu_seqlens=cu_seqlens, **kwargs)
+        if cu_seqlens is None:
+            return original(query, key, value, g, beta, *args, cu_seqlens=None, **kwargs)
+        if _on_fla(query):  # fla's kernel takes the starts itself: int64, with the host copy that spares its sync
+            return original(query, key, value, g, beta, *args, **fla_seqlens(cu_seqlens), **kwargs)
         parts = [original(query[:, s:e], key[:, s:e], value[:, s:e], g[:, s:e], beta[:, s:e], *args, **kwargs)[0]
                  for s, e in segments(query.shape[1], cu_seqlens)]
         return torch.cat(parts, dim=1), None  # packed calls carry no cache, so no final state is asked for

@@ -68,6 +68,29 @@ def test_wrappers_without_sample_starts_call_the_originals_unchanged():
     assert patch_gated_deltanet() == 2  # idempotent: both modules still wrapped once
 
 
+def test_on_fla_every_layers_rule_gets_the_same_int64_starts_and_their_host_copy(monkeypatch):
+    import stitch_qwen.kernels as kernels
+
+    # fla's chunk_gated_delta_rule builds its chunk indices from cu_seqlens_cpu when given it, and otherwise reads
+    # the device; it caches them by tensor identity, so every layer must see the same two objects
+    monkeypatch.setattr(kernels, "_on_fla", lambda t: True)
+    seen = []
+
+    def rule(*args, **kwargs):
+        seen.append(kwargs)
+        return args[0], None
+
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    x = torch.randn(1, 9, 2, 4)
+    for _layer in range(2):
+        _rule(rule)(x, x, x, x, x, initial_state=None, cu_seqlens=cu)
+    first, second = seen
+    assert first["cu_seqlens"].dtype == torch.int64 and first["cu_seqlens"].tolist() == [0, 4, 9]
+    assert first["cu_seqlens_cpu"].device.type == "cpu" and first["cu_seqlens_cpu"].tolist() == [0, 4, 9]
+    assert second["cu_seqlens"] is first["cu_seqlens"] and second["cu_seqlens_cpu"] is first["cu_seqlens_cpu"]
+    assert first["initial_state"] is None
+
+
 @pytest.mark.skipif(not varlen_kernels_ready(), reason="needs a CUDA device and flash-linear-attention")
 @pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
 def test_fla_packed_rows_equal_each_sample_alone_on_a_gpu(name):
