@@ -15,6 +15,7 @@
 #   bash benchmarks/h200_issue14.sh round5c   # Nemotron 4B packed + its padded baseline, 4 timed steps
 #   bash benchmarks/h200_issue14.sh round6    # unrun GPU tests; dense 4B + Qwen3.5-4B in one process, four modes
 #   bash benchmarks/h200_issue14.sh round6b   # the fla sync test (long timeout), AutoModel vs stitch, Qwen3.5 test
+#   bash benchmarks/h200_issue14.sh round6c   # dense 4B's four modes in one process; Qwen3.5-4B packed profiled
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -167,6 +168,19 @@ case "${1:-dense}" in
     export PYTHONPATH=/tmp/site:/tmp/fla:/tmp/am:.
     timeout 280 python3 benchmarks/sft_automodel.py --out "$OUT" 2>&1 | tee "$OUT/sft_automodel.log" \
       | grep -v "^USDT" | tail -12
+    ;;
+  round6c)  # dense 4B: packed, baseline, llava, stock in ONE process (every dense target from one run), then
+    # Qwen3.5-4B packed with a 2-step profile (where its 1.6x against dense goes), then the tiny Qwen3.5 fla test
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 200 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 10 --warmup 3 \
+      --modes packed,baseline,llava,stock --tag _round6c --out "$OUT" 2>&1 | tee "$OUT/sft_dense.log" \
+      | grep -E "stock =" | cut -c1-300
+    timeout 220 python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 4 --warmup 2 --skip-parity \
+      --modes packed --profile 2 --tag _round6c_profile --out "$OUT" 2>&1 | tee "$OUT/sft_qwen35.log" \
+      | grep -E "packed:" | cut -c1-300
+    timeout 110 python3 -m pytest -q -rs -p no:cacheprovider -k gpu tests/test_qwen_kernels.py 2>&1 \
+      | tee "$OUT/gpu_tests_qwen.log" | tail -3
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla
