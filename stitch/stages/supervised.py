@@ -44,18 +44,16 @@ class AlignmentStage(Stage):
                               length=opts.token_budget if self.packed else None).to(ctx.session.device)
         loss, n_labels = ctx.model.loss(batch)
         tokens, objective = batch.tokens, loss
-        # one process reads the loss once the whole step is queued (reading it before backward would idle the GPU
-        # between the two); data-parallel ranks need it before, to weigh their objective by the global label count
-        loss_value = float(loss.detach()) if dp.active else None
         if dp.active:
-            # normalise by the global label count; the gradient reduce-scatter averages over ranks, hence
-            # x world: the averaged gradient is the one-process gradient of the whole batch
-            loss_sum, n_global, tokens = dp.all_sum([loss_value * n_labels, n_labels, batch.tokens])
+            # normalise by the global label count (the ranks need the loss before backward for it); the gradient
+            # reduce-scatter averages over ranks, hence x world: the averaged gradient is the one-process gradient
+            # of the whole batch
+            loss_sum, n_global, tokens = dp.all_sum([float(loss.detach()) * n_labels, n_labels, batch.tokens])
             objective = loss * (n_labels * dp.world_size / max(n_global, 1.0))
             loss_value, n_labels, tokens = loss_sum / max(n_global, 1.0), int(n_global), int(tokens)
         objective.backward()
         ctx.update()
-        if loss_value is None:
+        if not dp.active:  # read once the whole step is queued: reading it before backward idles the GPU between
             loss_value = float(loss.detach())
         self.tokens_seen += tokens
         fill = tokens / (len(packs) * opts.token_budget) if self.packed else 1.0
