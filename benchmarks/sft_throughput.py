@@ -615,7 +615,10 @@ def count_syncs(one_step) -> dict | None:
 
 
 def profile_steps(one_step, steps: int, top: int = 30) -> dict:
-    """torch.profiler over ``steps`` more steps: per-step device time by kernel (top ``top``) and in total."""
+    """torch.profiler over ``steps`` more steps: per-step device time by kernel (top ``top``) and in total, and by
+    the operator that launched it. The two views hold the same device time: an operator's row is the time of the
+    kernels it launched itself, so only the kernel rows are summed."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -623,17 +626,16 @@ def profile_steps(one_step, steps: int, top: int = 30) -> dict:
         for _ in range(steps):
             one_step()
         sync()
-    events = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None]
-    kernels = [
-        (e.key, e.self_device_time_total / 1000 / steps, e.count // steps)
-        for e in prof.key_averages()
-        if e.self_device_time_total > 0
-    ]
-    kernels.sort(key=lambda k: -k[1])
+    rows = [(e.key, e.self_device_time_total / 1000 / steps, e.count // steps, e.device_type == DeviceType.CPU)
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    kernels = [r for r in rows if not r[3]]
+    ops = [r for r in rows if r[3]]
     return {
-        "device_ms_per_step": round(sum(k[1] for k in kernels), 2),
-        "top_kernels_ms_per_step": [[name[:120], round(ms, 2), n] for name, ms, n in kernels[:top]],
-        "n_events": len(events),
+        "device_ms_per_step": round(sum(r[1] for r in kernels), 2),
+        "top_kernels_ms_per_step": [[name[:120], round(ms, 2), n] for name, ms, n, _ in kernels[:top]],
+        "top_ops_ms_per_step": [[name[:120], round(ms, 2), n] for name, ms, n, _ in ops[:top]],
+        "n_events": len(rows),
     }
 
 
