@@ -626,16 +626,18 @@ def profile_steps(one_step, steps: int, top: int = 30) -> dict:
         for _ in range(steps):
             one_step()
         sync()
-    rows = [(e.key, e.self_device_time_total / 1000 / steps, e.count // steps, e.device_type == DeviceType.CPU)
-            for e in prof.key_averages() if e.self_device_time_total > 0]
-    rows.sort(key=lambda r: -r[1])
-    kernels = [r for r in rows if not r[3]]
-    ops = [r for r in rows if r[3]]
+    averages = prof.key_averages()
+    rows = sorted(((e.key, e.self_device_time_total / 1000 / steps, e.count // steps, e.device_type == DeviceType.CPU)
+                   for e in averages if e.self_device_time_total > 0), key=lambda r: -r[1])
+
+    def table(operators: bool) -> list:
+        return [[name[:120], round(ms, 2), n] for name, ms, n, op in rows if op == operators][:top]
+
     return {
-        "device_ms_per_step": round(sum(r[1] for r in kernels), 2),
-        "top_kernels_ms_per_step": [[name[:120], round(ms, 2), n] for name, ms, n, _ in kernels[:top]],
-        "top_ops_ms_per_step": [[name[:120], round(ms, 2), n] for name, ms, n, _ in ops[:top]],
-        "n_events": len(rows),
+        "device_ms_per_step": round(sum(ms for _, ms, _, op in rows if not op), 2),
+        "top_kernels_ms_per_step": table(operators=False),
+        "top_ops_ms_per_step": table(operators=True),
+        "n_events": len(averages),
     }
 
 
