@@ -16,6 +16,7 @@
 #   bash benchmarks/h200_issue14.sh round6    # unrun GPU tests; dense 4B + Qwen3.5-4B in one process, four modes
 #   bash benchmarks/h200_issue14.sh round6b   # the fla sync test (long timeout), AutoModel vs stitch, Qwen3.5 test
 #   bash benchmarks/h200_issue14.sh round6c   # dense 4B's four modes in one process; Qwen3.5-4B packed profiled
+#   bash benchmarks/h200_issue14.sh round9    # Nemotron-Nano-4B's four modes in ONE process, then dense 4B's in it
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -181,6 +182,16 @@ case "${1:-dense}" in
       | grep -E "packed:" | cut -c1-300
     timeout 110 python3 -m pytest -q -rs -p no:cacheprovider -k gpu tests/test_qwen_kernels.py 2>&1 \
       | tee "$OUT/gpu_tests_qwen.log" | tail -3
+    ;;
+  round9)  # Nemotron-Nano-4B: packed, cached_padded, baseline and stock in ONE process (fla autotunes its varlen
+    # kernels in packed's first step, 110-173 s, and its unpacked ones in cached_padded's, ~164 s), then dense 4B's
+    # same four modes in the same process for the one-process dense / Nemotron ratio; Nemotron first, so a time
+    # limit cuts dense, and each finished mode is already in the JSON
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes nemotron4b,dense4b --steps 6 --warmup 2 \
+      --skip-parity --modes packed,cached_padded,baseline,stock --tag _round9 --out "$OUT" 2>&1 \
+      | tee "$OUT/sft.log" | grep -E "stock =|dense /|(packed|cached_padded|baseline|stock): " | cut -c1-220
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla
