@@ -16,6 +16,8 @@
 #   bash benchmarks/h200_issue14.sh round6    # unrun GPU tests; dense 4B + Qwen3.5-4B in one process, four modes
 #   bash benchmarks/h200_issue14.sh round6b   # the fla sync test (long timeout), AutoModel vs stitch, Qwen3.5 test
 #   bash benchmarks/h200_issue14.sh round6c   # dense 4B's four modes in one process; Qwen3.5-4B packed profiled
+#   bash benchmarks/h200_issue14.sh round7    # Qwen3.5-4B's fla Gated DeltaNet path: GPU parity, five modes, dense
+#   bash benchmarks/h200_issue14.sh round7b   # the same, parity differences printed, four modes, no parity run
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -181,6 +183,32 @@ case "${1:-dense}" in
       | grep -E "packed:" | cut -c1-300
     timeout 110 python3 -m pytest -q -rs -p no:cacheprovider -k gpu tests/test_qwen_kernels.py 2>&1 \
       | tee "$OUT/gpu_tests_qwen.log" | tail -3
+    ;;
+  round7)  # Qwen3.5-4B's Gated DeltaNet on fla's GVA rule, in-kernel gates and fused gated norm (stitch_qwen/kernels.py):
+    # its GPU parity test at the 4B layer shape (which also autotunes the packed kernels), then packed (profiled),
+    # packed_gdn_reference (transformers' forward), cached_padded, baseline and stock in one process; then dense
+    # 4B packed for the cross-shape ratio
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k gpu tests/test_qwen_gdn_fast_path.py 2>&1 \
+      | tee "$OUT/gpu_tests_gdn.log" | tail -3
+    timeout 330 python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 5 --warmup 2 --profile 2 \
+      --modes packed,packed_gdn_reference,cached_padded,baseline,stock --tag _round7 --out "$OUT" 2>&1 \
+      | tee "$OUT/sft_qwen35.log" | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-300
+    timeout 60 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 8 --warmup 2 --skip-parity \
+      --modes packed --tag _round7 --out "$OUT" 2>&1 | tee "$OUT/sft_dense.log" | grep -E "packed:" | cut -c1-200
+    ;;
+  round7b)  # round7's GPU parity test with its differences printed, then Qwen3.5-4B packed, packed_gdn_reference,
+    # stock and baseline in one process (parity was round7's), then dense 4B packed on the same host
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 230 python3 -m pytest -q -s -rs --tb=short -p no:cacheprovider -k gpu tests/test_qwen_gdn_fast_path.py \
+      2>&1 | tee "$OUT/gpu_tests_gdn.log" | grep -E "relative difference|passed|failed|Error" | cut -c1-1500
+    timeout 270 python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 5 --warmup 2 --skip-parity \
+      --modes packed,packed_gdn_reference,stock,baseline --tag _round7b --out "$OUT" 2>&1 \
+      | tee "$OUT/sft_qwen35.log" | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-200
+    timeout 50 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 8 --warmup 2 --skip-parity \
+      --modes packed --tag _round7b --out "$OUT" 2>&1 | tee "$OUT/sft_dense.log" | grep -E "packed:" | cut -c1-200
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla
