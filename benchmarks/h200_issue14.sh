@@ -210,12 +210,17 @@ case "${1:-dense}" in
     timeout 50 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 8 --warmup 2 --skip-parity \
       --modes packed --tag _round7b --out "$OUT" 2>&1 | tee "$OUT/sft_dense.log" | grep -E "packed:" | cut -c1-200
     ;;
-  round8)  # the branch's 4B-layer GPU parity test ALONE, with room for fla's first autotune of both paths (round7
+  round8)  # the branch's 4B-layer GPU parity test first, with room for fla's first autotune of both paths (round7
     # and round7b cut it at 200-230 s; their "F" was a CPU test that "-k gpu" also selected, since renamed)
     bash benchmarks/install_kernels.sh /tmp/fla
     export PYTHONPATH=/tmp/site:/tmp/fla:.
-    timeout 450 python3 -m pytest -q -s -rs --tb=long -p no:cacheprovider -k gpu tests/test_qwen_gdn_fast_path.py \
+    timeout 400 python3 -m pytest -q -s -rs --tb=long -p no:cacheprovider -k gpu tests/test_qwen_gdn_fast_path.py \
       2>&1 | tee "$OUT/gpu_tests_gdn.log" | tail -40
+    # then, in what the call has left, the two Gated DeltaNet paths in one process with more steps than round7's 5
+    # (the test has autotuned both paths' kernels at this shape on this host)
+    timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 12 --warmup 2 \
+      --skip-parity --modes packed,packed_gdn_reference --tag _round8 --out "$OUT" 2>&1 | tee "$OUT/sft_qwen35.log" \
+      | grep -E "packed:|packed_gdn_reference:" | cut -c1-200
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla
