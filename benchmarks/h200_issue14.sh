@@ -18,6 +18,9 @@
 #   bash benchmarks/h200_issue14.sh round6c   # dense 4B's four modes in one process; Qwen3.5-4B packed profiled
 #   bash benchmarks/h200_issue14.sh round7    # Qwen3.5-4B's fla Gated DeltaNet path: GPU parity, five modes, dense
 #   bash benchmarks/h200_issue14.sh round7b   # the same, parity differences printed, four modes, no parity run
+#   bash benchmarks/h200_issue14.sh round8    # the 4B Gated DeltaNet gradient test alone, then both paths timed
+#   bash benchmarks/h200_issue14.sh round8b   # dense 4B and Qwen3.5-4B, packed and baseline, in one process
+#   bash benchmarks/h200_issue14.sh round8c   # dense 4B packed + stock, Qwen3.5-4B packed, each profiled: kernels
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -221,6 +224,24 @@ case "${1:-dense}" in
     timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 12 --warmup 2 \
       --skip-parity --modes packed,packed_gdn_reference --tag _round8 --out "$OUT" 2>&1 | tee "$OUT/sft_qwen35.log" \
       | grep -E "packed:|packed_gdn_reference:" | cut -c1-200
+    ;;
+  round8b)  # dense 4B, then Qwen3.5-4B (the fla Gated DeltaNet path), packed and the padded baseline, in ONE process
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout 500 python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 8 --warmup 2 --skip-parity \
+      --modes packed,baseline --tag _round8b --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|dense /|(packed|baseline): " | cut -c1-260
+    ;;
+  round8c)  # one profiled step each: dense 4B packed and stock, then Qwen3.5-4B packed (kernels, launch calls and aten
+    # calls per step beside the device time: is the packed step waiting on the host or on the device?)
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 120 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 3 --warmup 2 --skip-parity \
+      --modes packed,stock --profile 1 --profile-modes packed,stock --tag _round8c --out "$OUT" 2>&1 \
+      | tee "$OUT/sft_dense.log" | grep -E "stock ="
+    timeout $((420 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 3 --warmup 2 \
+      --skip-parity --modes packed --profile 1 --tag _round8c --out "$OUT" 2>&1 | tee "$OUT/sft_qwen.log" \
+      | grep -E "packed: " | cut -c1-150
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla

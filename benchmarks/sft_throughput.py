@@ -642,6 +642,11 @@ def profile_steps(one_step, steps: int, top: int = 30) -> dict:
         "top_kernels_ms_per_step": table(operators=False),
         "top_ops_ms_per_step": table(operators=True),
         "n_events": len(averages),
+        # what a launch-bound step is made of: kernels run on the device, and the host's launch calls
+        # (runtime rows such as cudaLaunchKernel / cuLaunchKernelEx, which have no device time of their own)
+        "kernels_per_step": sum(n for _, _, n, op in rows if not op),
+        "launch_calls_per_step": sum(e.count for e in averages if "LaunchKernel" in e.key) // steps,
+        "aten_calls_per_step": sum(e.count for e in averages if e.key.startswith("aten::")) // steps,  # nested too
     }
 
 
