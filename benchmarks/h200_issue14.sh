@@ -16,6 +16,11 @@
 #   bash benchmarks/h200_issue14.sh round6    # unrun GPU tests; dense 4B + Qwen3.5-4B in one process, four modes
 #   bash benchmarks/h200_issue14.sh round6b   # the fla sync test (long timeout), AutoModel vs stitch, Qwen3.5 test
 #   bash benchmarks/h200_issue14.sh round6c   # dense 4B's four modes in one process; Qwen3.5-4B packed profiled
+#   bash benchmarks/h200_issue14.sh round7    # Qwen3.5-4B's fla Gated DeltaNet path: GPU parity, five modes, dense
+#   bash benchmarks/h200_issue14.sh round7b   # the same, parity differences printed, four modes, no parity run
+#   bash benchmarks/h200_issue14.sh round8    # the 4B Gated DeltaNet gradient test alone, then both paths timed
+#   bash benchmarks/h200_issue14.sh round8b   # dense 4B and Qwen3.5-4B, packed and baseline, in one process
+#   bash benchmarks/h200_issue14.sh round8c   # dense 4B packed + stock, Qwen3.5-4B packed, each profiled: kernels
 #   bash benchmarks/h200_issue14.sh round9    # Nemotron-Nano-4B's four modes in ONE process, then dense 4B's in it
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -182,6 +187,62 @@ case "${1:-dense}" in
       | grep -E "packed:" | cut -c1-300
     timeout 110 python3 -m pytest -q -rs -p no:cacheprovider -k gpu tests/test_qwen_kernels.py 2>&1 \
       | tee "$OUT/gpu_tests_qwen.log" | tail -3
+    ;;
+  round7)  # Qwen3.5-4B's Gated DeltaNet on fla's GVA rule, in-kernel gates and fused gated norm (stitch_qwen/kernels.py):
+    # its GPU parity test at the 4B layer shape (which also autotunes the packed kernels), then packed (profiled),
+    # packed_gdn_reference (transformers' forward), cached_padded, baseline and stock in one process; then dense
+    # 4B packed for the cross-shape ratio
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -k gpu tests/test_qwen_gdn_fast_path.py 2>&1 \
+      | tee "$OUT/gpu_tests_gdn.log" | tail -3
+    timeout 330 python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 5 --warmup 2 --profile 2 \
+      --modes packed,packed_gdn_reference,cached_padded,baseline,stock --tag _round7 --out "$OUT" 2>&1 \
+      | tee "$OUT/sft_qwen35.log" | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-300
+    timeout 60 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 8 --warmup 2 --skip-parity \
+      --modes packed --tag _round7 --out "$OUT" 2>&1 | tee "$OUT/sft_dense.log" | grep -E "packed:" | cut -c1-200
+    ;;
+  round7b)  # round7's GPU parity test with its differences printed, then Qwen3.5-4B packed, packed_gdn_reference,
+    # stock and baseline in one process (parity was round7's), then dense 4B packed on the same host
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 230 python3 -m pytest -q -s -rs --tb=short -p no:cacheprovider -k gpu tests/test_qwen_gdn_fast_path.py \
+      2>&1 | tee "$OUT/gpu_tests_gdn.log" | grep -E "relative difference|passed|failed|Error" | cut -c1-1500
+    timeout 270 python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 5 --warmup 2 --skip-parity \
+      --modes packed,packed_gdn_reference,stock,baseline --tag _round7b --out "$OUT" 2>&1 \
+      | tee "$OUT/sft_qwen35.log" | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-200
+    timeout 50 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 8 --warmup 2 --skip-parity \
+      --modes packed --tag _round7b --out "$OUT" 2>&1 | tee "$OUT/sft_dense.log" | grep -E "packed:" | cut -c1-200
+    ;;
+  round8)  # the branch's 4B-layer GPU parity test first, with room for fla's first autotune of both paths (round7
+    # and round7b cut it at 200-230 s; their "F" was a CPU test that "-k gpu" also selected, since renamed)
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 400 python3 -m pytest -q -s -rs --tb=long -p no:cacheprovider -k gpu tests/test_qwen_gdn_fast_path.py \
+      2>&1 | tee "$OUT/gpu_tests_gdn.log" | tail -40
+    # then, in what the call has left, the two Gated DeltaNet paths in one process with more steps than round7's 5
+    # (the test has autotuned both paths' kernels at this shape on this host)
+    timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 12 --warmup 2 \
+      --skip-parity --modes packed,packed_gdn_reference --tag _round8 --out "$OUT" 2>&1 | tee "$OUT/sft_qwen35.log" \
+      | grep -E "packed:|packed_gdn_reference:" | cut -c1-200
+    ;;
+  round8b)  # dense 4B, then Qwen3.5-4B (the fla Gated DeltaNet path), packed and the padded baseline, in ONE process
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout 500 python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 8 --warmup 2 --skip-parity \
+      --modes packed,baseline --tag _round8b --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|dense /|(packed|baseline): " | cut -c1-260
+    ;;
+  round8c)  # one profiled step each: dense 4B packed and stock, then Qwen3.5-4B packed (kernels, launch calls and aten
+    # calls per step beside the device time: is the packed step waiting on the host or on the device?)
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 120 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 3 --warmup 2 --skip-parity \
+      --modes packed,stock --profile 1 --profile-modes packed,stock --tag _round8c --out "$OUT" 2>&1 \
+      | tee "$OUT/sft_dense.log" | grep -E "stock ="
+    timeout $((420 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 3 --warmup 2 \
+      --skip-parity --modes packed --profile 1 --tag _round8c --out "$OUT" 2>&1 | tee "$OUT/sft_qwen.log" \
+      | grep -E "packed: " | cut -c1-150
     ;;
   round9)  # Nemotron-Nano-4B: packed, cached_padded, baseline and stock in ONE process (fla autotunes its varlen
     # kernels in packed's first step, 110-173 s, and its unpacked ones in cached_padded's, ~164 s), then dense 4B's

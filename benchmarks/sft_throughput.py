@@ -27,8 +27,11 @@ uniform random, the last two thirds of the text labelled):
 * ``cached_padded``  the same padded batches, features read from the cache (isolates the encoder's cost).
                      This is what stitch runs for models whose ModelSpec says ``supports_packing=False``.
 * ``packed``         stitch: cached features, ``--rows`` packs of ``--budget`` tokens per step.
-* ``packed_unfused`` ``packed`` with stitch_qwen's fused kernels (liger RMSNorm / SwiGLU / RoPE) switched off: what
+* ``packed_unfused`` ``packed`` with stitch_qwen's fused kernels (liger RMSNorm / SwiGLU / RoPE, and the Qwen3.5
+                     Gated DeltaNet on fla's GVA rule, in-kernel gates and fused gated norm) switched off: what
                      they are worth, in the same run.
+* ``packed_gdn_reference`` ``packed`` with only the Gated DeltaNet back on transformers' forward (its fla rule and
+                     conv still get the sample starts): what stitch_qwen's Gated DeltaNet path is worth.
 * ``stock``          plain transformers on the same LM and LoRA: ``--rows`` causal rows of ``--budget`` random
                      tokens, ``lm(inputs_embeds=..., labels=...)`` with ``--attn`` (sdpa), every token labelled.
                      The speed the model reaches on the same number of tokens with no packing at all.
@@ -327,10 +330,11 @@ def fused_kernel_counts(lm) -> dict:
     """Modules running liger's fused kernels on GPU tensors (stitch_qwen.kernels.use_fused_kernels), by kind."""
     from stitch_qwen import kernels
 
-    counts = {"rms_norm": 0, "swiglu": 0}
+    counts = {"rms_norm": 0, "swiglu": 0, "gated_deltanet": 0}
     for module in lm.modules():
         counts["rms_norm"] += isinstance(module, kernels._FusedRMSNorm)
         counts["swiglu"] += isinstance(module, kernels._FusedSwiGLU)
+        counts["gated_deltanet"] += isinstance(module, kernels._FusedGatedDeltaNet)
     counts["liger_importable"] = kernels.liger_functions() is not None
     return counts
 
@@ -507,7 +511,7 @@ def stock_transformers(model, attn: str):
     swapped = [m for m in lm.modules() if isinstance(m, HalfComputeLinear)]
     casting = [m for m in lm.modules() if getattr(m, "cast_input_dtype_enabled", True) is False]
     restore_peft_lora(lm)
-    fused = fused_kernel_counts(lm)["rms_norm"] > 0
+    fused = sum(fused_kernel_counts(lm)[k] for k in ("rms_norm", "gated_deltanet")) > 0
     restore_reference_kernels(lm)
     try:
         yield "peft default (fp32 adapter weights)" if swapped or casting else "as built"
@@ -638,6 +642,11 @@ def profile_steps(one_step, steps: int, top: int = 30) -> dict:
         "top_kernels_ms_per_step": table(operators=False),
         "top_ops_ms_per_step": table(operators=True),
         "n_events": len(averages),
+        # what a launch-bound step is made of: kernels run on the device, and the host's launch calls
+        # (runtime rows such as cudaLaunchKernel / cuLaunchKernelEx, which have no device time of their own)
+        "kernels_per_step": sum(n for _, _, n, op in rows if not op),
+        "launch_calls_per_step": sum(e.count for e in averages if "LaunchKernel" in e.key) // steps,
+        "aten_calls_per_step": sum(e.count for e in averages if e.key.startswith("aten::")) // steps,  # nested too
     }
 
 
@@ -715,10 +724,17 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
         try:
             if mode == "stock":
                 modes[mode] = run_stock(model, optimizer, groups, args, info, device)
-            elif mode == "packed_unfused":  # the shipped packed step with transformers' own norms / MLP / RoPE
-                from stitch_qwen.kernels import restore_reference_kernels, use_fused_kernels
+            elif mode in ("packed_unfused", "packed_gdn_reference"):  # the shipped packed step with transformers'
+                # own norms / MLP / RoPE / Gated DeltaNet forward, or with only its Gated DeltaNet forward
+                from stitch_qwen.kernels import (
+                    FUSED_MIXINS,
+                    _FusedGatedDeltaNet,
+                    restore_reference_kernels,
+                    use_fused_kernels,
+                )
 
-                restore_reference_kernels(model.lm)
+                restore_reference_kernels(model.lm, FUSED_MIXINS if mode == "packed_unfused" else
+                                          (_FusedGatedDeltaNet,))
                 try:
                     modes[mode] = {**run_mode("packed", model, optimizer, groups, samples, pixels, args, ids, info,
                                               device), "mode": mode}

@@ -185,30 +185,92 @@ def unpatch_fused_rope() -> None:
             module.apply_rotary_pos_emb = current.stitch_original
 
 
+# -- Qwen3.5's Gated DeltaNet as fla's kernels take it --------------------------------------------------------------
+#
+# transformers' layer, even on fla's chunk kernel, (1) repeats q and k from the key heads to the value heads
+# (repeat_interleave 16 -> 32 at 4B: two copies forward, their reductions backward), (2) computes the decay
+# -exp(A_log) * softplus(a + dt_bias) and sigmoid(b) in separate fp32 kernels, and (3) runs its gated RMSNorm as ~10
+# elementwise fp32 kernels over [tokens x value heads, head dim], twice that backward. fla 0.6.0 does all three
+# itself: value heads > key heads (GVA, value head j reads key head j // (HV / H): the repeat_interleave order), the
+# decay and beta inside the chunk kernel (``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``), and a one-kernel
+# gated RMSNorm (``rms_norm_gated``, fp32 inside: transformers rounds the normalised value to bf16 before the weight,
+# fla does not, a difference within bf16). The switched forward runs that on GPU tensors without a cache; anything
+# else (CPU, decoding with a cache) runs transformers' own forward.
+GATED_DELTANETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+
+
+@functools.cache
+def fla_gdn_functions() -> dict[str, Any] | None:
+    """fla's chunk rule, gated RMSNorm and causal conv, or None where fla's kernels do not import."""
+    if fla_kernels_importable() is not None:
+        return None
+    try:
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # an fla without them: transformers' layer stays
+        return None
+    return {"rule": chunk_gated_delta_rule, "norm": rms_norm_gated, "conv": fla_conv}
+
+
+class _FusedGatedDeltaNet:
+    """Mixed into a Qwen3.5 Gated DeltaNet: the same layer on fla's GVA rule, in-kernel gates and fused gated norm."""
+
+    def forward(self, hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None, **kwargs):
+        fla = fla_gdn_functions() if _on_fla(hidden_states) else None
+        if fla is None or cache_params is not None:
+            return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        if attention_mask is not None:  # transformers' apply_mask_to_padding_states: padding rows carry zeros
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        rows, width, _ = hidden_states.shape
+        starts = kwargs.get("cu_seq_lens_q")  # stitch's packed calls (flatten_packed_rows); None otherwise
+        qkv = fla["conv"](self.in_proj_qkv(hidden_states), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                          self.activation, starts)
+        query, key, value = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        core, _ = fla["rule"](
+            query.reshape(rows, width, -1, self.head_k_dim), key.reshape(rows, width, -1, self.head_k_dim),
+            value.reshape(rows, width, -1, self.head_v_dim), self.in_proj_a(hidden_states),
+            self.in_proj_b(hidden_states), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True, **fla_seqlens(starts))
+        gate = self.in_proj_z(hidden_states)
+        core = fla["norm"](core.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim), self.norm.weight,
+                           None, activation=self.norm.activation, eps=self.norm.variance_epsilon)
+        return self.out_proj(core.reshape(rows, width, -1))
+
+
+FUSED_MIXINS = (_FusedRMSNorm, _FusedSwiGLU, _FusedGatedDeltaNet)
+
+
 def use_fused_kernels(model: Any) -> dict[str, int]:
-    """Switch ``model``'s RMSNorms and SwiGLU MLPs to liger's kernels (and wrap RoPE) where liger imports; returns
-    how many modules of each kind now run fused on GPU tensors (empty without liger). Idempotent."""
-    if liger_functions() is None:
+    """Switch ``model``'s RMSNorms and SwiGLU MLPs to liger's kernels (and wrap RoPE) where liger imports, and its
+    Gated DeltaNets to fla's fused path where fla imports; returns how many modules of each kind now run fused on
+    GPU tensors (empty when neither imports). Idempotent."""
+    liger, fla = liger_functions() is not None, fla_gdn_functions() is not None
+    if not (liger or fla):
         return {}
-    counts = {"rms_norm": 0, "swiglu": 0}
+    counts = {"rms_norm": 0, "swiglu": 0, "gated_deltanet": 0}
     for module in model.modules():
         cls = type(module)
-        if cls.__name__ in FUSED_NORMS:
+        if liger and cls.__name__ in FUSED_NORMS:
             module.__class__ = _fused_class(cls, _FusedRMSNorm)
-        elif cls.__name__ in FUSED_MLPS and _silu(module):
+        elif liger and cls.__name__ in FUSED_MLPS and _silu(module):
             module.__class__ = _fused_class(cls, _FusedSwiGLU)
+        elif fla and cls.__name__ in GATED_DELTANETS:
+            module.__class__ = _fused_class(cls, _FusedGatedDeltaNet)
         counts["rms_norm"] += isinstance(module, _FusedRMSNorm)
         counts["swiglu"] += isinstance(module, _FusedSwiGLU)
-    counts["rope_modules"] = patch_fused_rope()
+        counts["gated_deltanet"] += isinstance(module, _FusedGatedDeltaNet)
+    counts["rope_modules"] = patch_fused_rope() if liger else 0
     return counts
 
 
-def restore_reference_kernels(model: Any) -> None:
-    """Undo ``use_fused_kernels``: transformers' own modules and RoPE (the benchmark's stock mode)."""
+def restore_reference_kernels(model: Any, kinds: tuple[type, ...] = FUSED_MIXINS) -> None:
+    """Undo ``use_fused_kernels`` (the benchmark's stock mode): transformers' own modules and RoPE; ``kinds`` limits
+    it to some of the switched module kinds (RoPE is restored with the norms)."""
     for module in model.modules():
-        if isinstance(module, (_FusedRMSNorm, _FusedSwiGLU)):
+        if isinstance(module, kinds):
             module.__class__ = type(module).__mro__[2]
-    unpatch_fused_rope()
+    if _FusedRMSNorm in kinds:
+        unpatch_fused_rope()
 
 
 def install_fused_kernels(model: Any) -> bool:

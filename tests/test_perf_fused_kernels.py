@@ -131,6 +131,7 @@ def test_restore_gives_back_transformers_classes_and_rope(stand_ins):
 
 def test_without_liger_nothing_is_switched(monkeypatch):
     monkeypatch.setattr(kernels, "liger_functions", lambda: None)
+    monkeypatch.setattr(kernels, "fla_gdn_functions", lambda: None)  # nor fla (its Gated DeltaNet path)
     model = tiny("qwen3_5")
     before = [type(m) for m in model.modules()]
     assert kernels.use_fused_kernels(model) == {}
