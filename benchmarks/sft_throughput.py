@@ -621,12 +621,13 @@ def count_syncs(one_step) -> dict | None:
 def profile_steps(one_step, steps: int, top: int = 30) -> dict:
     """torch.profiler over ``steps`` more steps: per-step device time by kernel (top ``top``) and in total, and by
     the operator that launched it. The two views hold the same device time: an operator's row is the time of the
-    kernels it launched itself, so only the kernel rows are summed."""
+    kernels it launched itself, so only the kernel rows are summed. The GEMMs are also listed by their input
+    shapes (which projection a slow cuBLAS kernel serves: its name gives the tile, not the operands)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         for _ in range(steps):
             one_step()
         sync()
@@ -637,10 +638,15 @@ def profile_steps(one_step, steps: int, top: int = 30) -> dict:
     def table(operators: bool) -> list:
         return [[name[:120], round(ms, 2), n] for name, ms, n, op in rows if op == operators][:top]
 
+    gemms = sorted(((e.key, str(e.input_shapes), e.self_device_time_total / 1000 / steps, e.count // steps)
+                    for e in prof.key_averages(group_by_input_shape=True)
+                    if e.key in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")), key=lambda r: (-r[2], -r[3]))
+
     return {
         "device_ms_per_step": round(sum(ms for _, ms, _, op in rows if not op), 2),
         "top_kernels_ms_per_step": table(operators=False),
         "top_ops_ms_per_step": table(operators=True),
+        "top_gemms_by_shape_ms_per_step": [[k, shapes, round(ms, 3), n] for k, shapes, ms, n in gemms[:top]],
         "n_events": len(averages),
         # what a launch-bound step is made of: kernels run on the device, and the host's launch calls
         # (runtime rows such as cudaLaunchKernel / cuLaunchKernelEx, which have no device time of their own)
