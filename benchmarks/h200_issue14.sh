@@ -22,6 +22,8 @@
 #   bash benchmarks/h200_issue14.sh round8b   # dense 4B and Qwen3.5-4B, packed and baseline, in one process
 #   bash benchmarks/h200_issue14.sh round8c   # dense 4B packed + stock, Qwen3.5-4B packed, each profiled: kernels
 #   bash benchmarks/h200_issue14.sh round9    # Nemotron-Nano-4B's four modes in ONE process, then dense 4B's in it
+#   bash benchmarks/h200_issue14.sh round10   # every LoRA GEMM shape timed (lora_gemm_shapes.py), then Qwen3.5-4B
+#                                             # packed profiled with its GEMMs by input shape
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -253,6 +255,17 @@ case "${1:-dense}" in
     timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes nemotron4b,dense4b --steps 6 --warmup 2 \
       --skip-parity --modes packed,cached_padded,baseline,stock --tag _round9 --out "$OUT" 2>&1 \
       | tee "$OUT/sft.log" | grep -E "stock =|dense /|(packed|cached_padded|baseline|stock): " | cut -c1-220
+    ;;
+  round10)  # which projection the skinny 32-wide-tile GEMMs of Qwen3.5's packed step serve (37 ms of 198 in round8c):
+    # every LoRA target's eight products timed as shipped, operands swapped, rank 64, and stock peft beside
+    # LoRAProduct; then one profiled Qwen3.5-4B packed step whose GEMMs are listed by input shape
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    timeout 150 python3 benchmarks/lora_gemm_shapes.py --shapes qwen35_4b,dense4b --tag _round10 --out "$OUT" 2>&1 \
+      | tee "$OUT/lora_gemm_shapes.log" | grep -E "per step" | cut -c1-400
+    timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 3 --warmup 2 \
+      --skip-parity --modes packed --profile 1 --tag _round10 --out "$OUT" 2>&1 | tee "$OUT/sft_qwen.log" \
+      | grep -E "packed: " | cut -c1-150
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla
