@@ -260,7 +260,7 @@ case "${1:-dense}" in
     # every LoRA target's eight products timed as shipped, operands swapped, rank 64, and stock peft beside
     # LoRAProduct; then one profiled Qwen3.5-4B packed step whose GEMMs are listed by input shape
     bash benchmarks/install_kernels.sh /tmp/fla
-    export PYTHONPATH=/tmp/site:/tmp/fla:.
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1  # autotune results kept for the next process
     timeout 150 python3 benchmarks/lora_gemm_shapes.py --shapes qwen35_4b,dense4b --tag _round10 --out "$OUT" 2>&1 \
       | tee "$OUT/lora_gemm_shapes.log" | grep -E "per step" | cut -c1-400
     timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 3 --warmup 2 \
