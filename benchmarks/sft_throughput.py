@@ -327,16 +327,10 @@ def build_stitched(shape: str, args, host, device, lm=None, spec=None):
 
 
 def fused_kernel_counts(lm) -> dict:
-    """Modules running liger's fused kernels on GPU tensors (stitch_qwen.kernels.use_fused_kernels), by kind."""
+    """Modules running fused kernels on GPU tensors (stitch_qwen.kernels.use_fused_kernels), by kind."""
     from stitch_qwen import kernels
 
-    counts = {"rms_norm": 0, "swiglu": 0, "gated_deltanet": 0}
-    for module in lm.modules():
-        counts["rms_norm"] += isinstance(module, kernels._FusedRMSNorm)
-        counts["swiglu"] += isinstance(module, kernels._FusedSwiGLU)
-        counts["gated_deltanet"] += isinstance(module, kernels._FusedGatedDeltaNet)
-    counts["liger_importable"] = kernels.liger_functions() is not None
-    return counts
+    return {**kernels.fused_module_counts(lm), "liger_importable": kernels.liger_functions() is not None}
 
 
 def clip_tower(device, smoke: bool):
@@ -502,7 +496,7 @@ def stock_transformers(model, attn: str):
     kernels. Yields a description of the LoRA compute; everything is switched back on exit."""
     from stitch.model import causal_lm
     from stitch.model.precision import HalfComputeLinear, lora_in_half_compute, restore_peft_lora
-    from stitch_qwen.kernels import restore_reference_kernels, use_fused_kernels
+    from stitch_qwen.kernels import fused_module_counts, restore_reference_kernels, use_fused_kernels
 
     lm = model.lm
     base = causal_lm(lm)
@@ -511,7 +505,7 @@ def stock_transformers(model, attn: str):
     swapped = [m for m in lm.modules() if isinstance(m, HalfComputeLinear)]
     casting = [m for m in lm.modules() if getattr(m, "cast_input_dtype_enabled", True) is False]
     restore_peft_lora(lm)
-    fused = sum(fused_kernel_counts(lm)[k] for k in ("rms_norm", "gated_deltanet")) > 0
+    fused = any(fused_module_counts(lm).values())
     restore_reference_kernels(lm)
     try:
         yield "peft default (fp32 adapter weights)" if swapped or casting else "as built"
@@ -640,7 +634,8 @@ def profile_steps(one_step, steps: int, top: int = 30) -> dict:
 
     gemms = sorted(((e.key, str(e.input_shapes), e.self_device_time_total / 1000 / steps, e.count // steps)
                     for e in prof.key_averages(group_by_input_shape=True)
-                    if e.key in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")), key=lambda r: (-r[2], -r[3]))
+                    if e.key in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")),
+                   key=lambda r: (-r[2], -r[3]))
 
     return {
         "device_ms_per_step": round(sum(ms for _, ms, _, op in rows if not op), 2),

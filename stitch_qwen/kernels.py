@@ -247,7 +247,6 @@ def use_fused_kernels(model: Any) -> dict[str, int]:
     liger, fla = liger_functions() is not None, fla_gdn_functions() is not None
     if not (liger or fla):
         return {}
-    counts = {"rms_norm": 0, "swiglu": 0, "gated_deltanet": 0}
     for module in model.modules():
         cls = type(module)
         if liger and cls.__name__ in FUSED_NORMS:
@@ -256,10 +255,18 @@ def use_fused_kernels(model: Any) -> dict[str, int]:
             module.__class__ = _fused_class(cls, _FusedSwiGLU)
         elif fla and cls.__name__ in GATED_DELTANETS:
             module.__class__ = _fused_class(cls, _FusedGatedDeltaNet)
-        counts["rms_norm"] += isinstance(module, _FusedRMSNorm)
-        counts["swiglu"] += isinstance(module, _FusedSwiGLU)
-        counts["gated_deltanet"] += isinstance(module, _FusedGatedDeltaNet)
-    counts["rope_modules"] = patch_fused_rope() if liger else 0
+    return {**fused_module_counts(model), "rope_modules": patch_fused_rope() if liger else 0}
+
+
+FUSED_KINDS = {"rms_norm": _FusedRMSNorm, "swiglu": _FusedSwiGLU, "gated_deltanet": _FusedGatedDeltaNet}
+
+
+def fused_module_counts(model: Any) -> dict[str, int]:
+    """How many of ``model``'s modules run each fused kind now (what ``use_fused_kernels`` switched)."""
+    counts = dict.fromkeys(FUSED_KINDS, 0)
+    for module in model.modules():
+        for kind, mixin in FUSED_KINDS.items():
+            counts[kind] += isinstance(module, mixin)
     return counts
 
 
