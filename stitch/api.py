@@ -12,6 +12,7 @@ from typing import Any
 
 from stitch.config.recipe import shipped_recipes
 from stitch.model.automodel import automodel_backend
+from stitch.model.precision import shared_input_projections
 from stitch.model.snapshots import shrink_layer_pattern, write_random_weights
 from stitch.model.varlen import (
     fla_conv,
@@ -78,6 +79,8 @@ __all__ = [
     "reference_conv",
     "segments",
     "varlen_kernels_ready",
+    # several LoRA projections of one input as one autograd node (a model plugin's fused layer)
+    "shared_input_projections",
 ]
 
 # The tiny presets' building blocks live in stitch.demo, which the core imports only lazily (on first call).

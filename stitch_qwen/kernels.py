@@ -25,6 +25,7 @@ from stitch.api import (
     flatten_packed_rows,
     reference_conv,
     segments,
+    shared_input_projections,
 )
 
 log = logging.getLogger("stitch")
@@ -223,15 +224,16 @@ class _FusedGatedDeltaNet:
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         rows, width, _ = hidden_states.shape
         starts = kwargs.get("cu_seq_lens_q")  # stitch's packed calls (flatten_packed_rows); None otherwise
-        qkv = fla["conv"](self.in_proj_qkv(hidden_states), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                          self.activation, starts)
+        # the four projections of one input: one autograd node when they are plain LoRA layers (their rank-r and
+        # 32-wide products share one GEMM), the modules' own forwards otherwise
+        mixed, gate, beta, decay = shared_input_projections(
+            hidden_states, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        qkv = fla["conv"](mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation, starts)
         query, key, value = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         core, _ = fla["rule"](
             query.reshape(rows, width, -1, self.head_k_dim), key.reshape(rows, width, -1, self.head_k_dim),
-            value.reshape(rows, width, -1, self.head_v_dim), self.in_proj_a(hidden_states),
-            self.in_proj_b(hidden_states), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True, **fla_seqlens(starts))
-        gate = self.in_proj_z(hidden_states)
+            value.reshape(rows, width, -1, self.head_v_dim), decay, beta, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True, **fla_seqlens(starts))
         core = fla["norm"](core.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim), self.norm.weight,
                            None, activation=self.norm.activation, eps=self.norm.variance_epsilon)
         return self.out_proj(core.reshape(rows, width, -1))

@@ -136,6 +136,36 @@ def test_the_fla_gated_deltanet_gives_transformers_loss_and_gradients_packed_and
 
 
 @TRANSFORMERS_TORCH_RULE
+def test_with_lora_on_its_projections_the_fla_layer_groups_them_and_keeps_loss_and_adapter_gradients(stand_ins,
+                                                                                                     monkeypatch):
+    """The shipped Qwen3.5 LoRA targets every Gated DeltaNet projection: through the fused layer its four input
+    projections run as one SharedInputLoRA node, with transformers' loss and every adapter's gradient."""
+    from peft import LoraConfig, get_peft_model
+
+    from stitch.model import precision
+
+    model = tiny_hybrid()
+    model.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]))
+    precision.lora_in_half_compute(model)
+    kernels.use_varlen(model.base_model.model)
+    batch = packed_batch()
+    ref_loss, ref_grads = loss_and_grads(model, **batch)
+    assert kernels.use_fused_kernels(model)["gated_deltanet"] == 1
+    monkeypatch.setattr(kernels, "_on_fla", lambda t: True)
+    grouped = []
+    node = precision.SharedInputLoRA.apply
+    monkeypatch.setattr(precision.SharedInputLoRA, "apply", lambda *a: grouped.append(len(a[1])) or node(*a))
+    loss, grads = loss_and_grads(model, **batch)
+    assert grouped == [4]  # the one Gated DeltaNet's in_proj_qkv / z / b / a
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == ref_grads.keys() and sum("lora_" in n for n in grads) == 18
+    for name, g in grads.items():  # fp32, the products summed in another order
+        assert (g - ref_grads[name]).norm() <= 1e-5 * ref_grads[name].norm(), name
+
+
+@TRANSFORMERS_TORCH_RULE
 def test_cpu_tensors_and_decoding_with_a_cache_run_transformers_forward(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an fla kernel was called where transformers' forward belongs")
