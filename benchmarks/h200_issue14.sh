@@ -24,6 +24,9 @@
 #   bash benchmarks/h200_issue14.sh round9    # Nemotron-Nano-4B's four modes in ONE process, then dense 4B's in it
 #   bash benchmarks/h200_issue14.sh round10   # every LoRA GEMM shape timed (lora_gemm_shapes.py), then Qwen3.5-4B
 #                                             # packed profiled with its GEMMs by input shape
+#   bash benchmarks/h200_issue14.sh round10b  # SharedInputLoRA's GPU test; the LoRA GEMM shapes (with the grouped
+#                                             # Gated DeltaNet inputs); Qwen3.5-4B + dense 4B packed vs
+#                                             # packed_ungrouped in one process, each profiled
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -266,6 +269,19 @@ case "${1:-dense}" in
     timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 3 --warmup 2 \
       --skip-parity --modes packed --profile 1 --tag _round10 --out "$OUT" 2>&1 | tee "$OUT/sft_qwen.log" \
       | grep -E "packed: " | cut -c1-150
+    ;;
+  round10b)  # the grouped Gated DeltaNet inputs (SharedInputLoRA): its GPU test at the 4B shape (cuBLAS only), every
+    # LoRA GEMM shape plus the four projections as four nodes and as one, then Qwen3.5-4B and dense 4B packed against
+    # packed_ungrouped in one process (dense's pair is the same path twice: the run's noise), one profiled step each
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -s tests/test_shared_input_lora.py -k on_a_gpu 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "relative|passed|failed|skipped" | cut -c1-400
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout 150 python3 benchmarks/lora_gemm_shapes.py --shapes qwen35_4b,dense4b --tag _round10b --out "$OUT" 2>&1 \
+      | tee "$OUT/lora_gemm_shapes.log" | grep -E "per step" | cut -c1-600
+    timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b,dense4b --steps 12 --warmup 3 \
+      --skip-parity --modes packed,packed_ungrouped --profile 1 --profile-modes packed --tag _round10b --out "$OUT" \
+      2>&1 | tee "$OUT/sft.log" | grep -E "(packed|packed_ungrouped): " | cut -c1-200
     ;;
   hybrids)
     bash benchmarks/install_kernels.sh /tmp/fla

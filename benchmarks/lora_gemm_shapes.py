@@ -10,7 +10,9 @@ taking 37 ms of a 198 ms step (61 calls each, ~0.3 ms a call). The rank-16 produ
   numbers, another cuBLAS kernel;
 - the rank padded to 64 (zeros): if the padded product takes as long as rank 16, the kernel, not the work, is slow;
 - stock peft (``peft.tuners.lora.Linear``, its adapters in fp32, as peft keeps them) forward + backward,
-  and the shipped ``LoRAProduct`` as one autograd call, as the step runs it.
+  and ``LoRAProduct`` as one autograd call;
+- for a Qwen3.5 shape, the fused Gated DeltaNet's four input projections forward + backward as four
+  ``LoRAProduct`` nodes and as the one ``SharedInputLoRA`` node the step runs (``shared_input_projections``).
 
 It prints a table per shape and the per-step sums (ms per call x calls per step) with ratios, and writes
 ``lora_gemm_shapes<tag>.json``. Nothing here changes the shipped path.
@@ -125,6 +127,38 @@ def module_step(tokens: int, d_in: int, d_out: int, rank: int, device, dtype) ->
     return {"shipped": shipped, "stock peft": stock}
 
 
+GDN_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # what the fused Gated DeltaNet groups
+
+
+def gdn_inputs(targets: list[dict], tokens: int, rank: int, device, dtype) -> dict:
+    """The fused Gated DeltaNet's four input projections, forward + backward, as four ``LoRAProduct`` nodes and as
+    one ``SharedInputLoRA`` node (``shared_input_projections``, shipped); empty for a shape without them."""
+    from peft import LoraConfig, get_peft_model
+
+    from stitch.model.precision import lora_in_half_compute, shared_input_projections
+
+    widths = {t["kind"]: (t["in"], t["out"], t["count"]) for t in targets if t["kind"] in GDN_INPUTS}
+    if len(widths) < len(GDN_INPUTS):
+        return {}
+    holder = torch.nn.Module()
+    for kind in GDN_INPUTS:
+        d_in, d_out, _ = widths[kind]
+        holder.add_module(kind, torch.nn.Linear(d_in, d_out, bias=False, device=device, dtype=dtype))
+    holder.requires_grad_(False)
+    model = get_peft_model(holder, LoraConfig(r=rank, lora_alpha=int(SCALING * rank), target_modules=list(GDN_INPUTS)))
+    lora_in_half_compute(model)
+    modules = [getattr(model.base_model.model, kind) for kind in GDN_INPUTS]
+    x = torch.randn(tokens, widths["in_proj_qkv"][0], device=device, dtype=dtype, requires_grad=True)
+    grads = [torch.randn(tokens, widths[kind][1], device=device, dtype=dtype) for kind in GDN_INPUTS]
+
+    def step(outs):
+        torch.autograd.backward(outs, grads)
+
+    return {"count": widths["in_proj_qkv"][2],
+            "four nodes": lambda: step([m(x) for m in modules]),
+            "one node (shipped)": lambda: step(shared_input_projections(x, modules))}
+
+
 def run_shape(shape: str, args, device, dtype) -> dict:
     rows = []
     totals: collections.Counter = collections.Counter()
@@ -149,6 +183,10 @@ def run_shape(shape: str, args, device, dtype) -> dict:
         rows.append(row)
         log(f"{shape} {target['kind']} {d_in}->{d_out} x{n}: "
             + ", ".join(f"{op} {v}" for op, v in row["ms"].items()))
+    grouped = gdn_inputs(rows, args.tokens, args.rank, device, dtype)
+    layers = grouped.pop("count", 0)
+    for name, fn in grouped.items():
+        totals[f"Gated DeltaNet inputs fwd+bwd, {name}"] = layers * timed(fn, args.reps)
     per_step = {k: round(v, 2) for k, v in totals.items()}
     shipped = per_step["eight GEMMs as shipped"]
     ratios = {
@@ -157,6 +195,10 @@ def run_shape(shape: str, args, device, dtype) -> dict:
         "stock peft / shipped (module fwd+bwd)": round(per_step["module fwd+bwd, stock peft"]
                                                        / max(per_step["module fwd+bwd, shipped"], 1e-9), 3),
     }
+    if grouped:
+        ratios["four nodes / one node (Gated DeltaNet inputs)"] = round(
+            per_step["Gated DeltaNet inputs fwd+bwd, four nodes"]
+            / max(per_step["Gated DeltaNet inputs fwd+bwd, one node (shipped)"], 1e-9), 3)
     log(f"{shape} per step, ms: {per_step}; ratios {ratios}")
     return {"targets": rows, "ms_per_step": per_step, "ratios": ratios}
 

@@ -32,6 +32,9 @@ uniform random, the last two thirds of the text labelled):
                      they are worth, in the same run.
 * ``packed_gdn_reference`` ``packed`` with only the Gated DeltaNet back on transformers' forward (its fla rule and
                      conv still get the sample starts): what stitch_qwen's Gated DeltaNet path is worth.
+* ``packed_ungrouped`` ``packed`` with the fused Gated DeltaNet's four input projections as four LoRA nodes again
+                     instead of one ``SharedInputLoRA`` node (``stitch.api.shared_input_projections``): what the
+                     grouping is worth.
 * ``stock``          plain transformers on the same LM and LoRA: ``--rows`` causal rows of ``--budget`` random
                      tokens, ``lm(inputs_embeds=..., labels=...)`` with ``--attn`` (sdpa), every token labelled.
                      The speed the model reaches on the same number of tokens with no packing at all.
@@ -741,6 +744,16 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
                                               device), "mode": mode}
                 finally:
                     use_fused_kernels(model.lm)
+            elif mode == "packed_ungrouped":  # every projection its own node, as before the grouping
+                import stitch_qwen.kernels as qwen_kernels
+
+                grouped = qwen_kernels.shared_input_projections
+                qwen_kernels.shared_input_projections = lambda x, modules: [m(x) for m in modules]
+                try:
+                    modes[mode] = {**run_mode("packed", model, optimizer, groups, samples, pixels, args, ids, info,
+                                              device), "mode": mode}
+                finally:
+                    qwen_kernels.shared_input_projections = grouped
             else:
                 modes[mode] = run_mode(mode, model, optimizer, groups, samples, pixels, args, ids, info, device)
         except torch.OutOfMemoryError as exc:
