@@ -35,6 +35,9 @@ uniform random, the last two thirds of the text labelled):
 * ``packed_ungrouped`` ``packed`` with the fused Gated DeltaNet's four input projections as four LoRA nodes again
                      instead of one ``SharedInputLoRA`` node (``stitch.api.shared_input_projections``): what the
                      grouping is worth.
+* ``packed_liger_chunks`` ``packed`` with liger's fused linear cross-entropy at its own chunk budget (chunks of
+                     ``tokens / ceil(vocab / hidden)`` rows: 32 at Qwen3.5's vocabulary) instead of stitch's
+                     ``CHUNK_TOKENS``-row chunks (``stitch.model.cross_entropy.liger_chunk_budget``).
 * ``stock``          plain transformers on the same LM and LoRA: ``--rows`` causal rows of ``--budget`` random
                      tokens, ``lm(inputs_embeds=..., labels=...)`` with ``--attn`` (sdpa), every token labelled.
                      The speed the model reaches on the same number of tokens with no packing at all.
@@ -744,6 +747,15 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
                                               device), "mode": mode}
                 finally:
                     use_fused_kernels(model.lm)
+            elif mode == "packed_liger_chunks":  # liger's own chunk budget for the head + loss
+                from stitch.model import cross_entropy
+
+                rows, cross_entropy.LIGER_CHUNK_TOKENS = cross_entropy.LIGER_CHUNK_TOKENS, None
+                try:
+                    modes[mode] = {**run_mode("packed", model, optimizer, groups, samples, pixels, args, ids, info,
+                                              device), "mode": mode}
+                finally:
+                    cross_entropy.LIGER_CHUNK_TOKENS = rows
             elif mode == "packed_ungrouped":  # every projection its own node, as before the grouping
                 import stitch_qwen.kernels as qwen_kernels
 

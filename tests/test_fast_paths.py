@@ -291,6 +291,51 @@ def test_liger_fused_cross_entropy_equals_the_chunked_path_on_a_gpu():
     assert torch.nn.functional.cosine_similarity(fused_grad.flatten(), hidden.grad.float().flatten(), dim=0) > 0.999
 
 
+def liger_chunk_rows(tokens: int, hidden: int, vocab: int, budget: int) -> int:
+    """liger 0.8.5's chunk rule (fused_linear_cross_entropy_forward): next_pow2(ceil(BT / ceil(V / (c H)))) <= BT."""
+    inc = -(-vocab // (budget * hidden))
+    return min(1 << (-(-tokens // inc) - 1).bit_length(), tokens)
+
+
+@pytest.mark.parametrize("tokens,vocab", [(1984, 248320), (4096, 248320), (1984, 151936), (100, 248320)],
+                         ids=["qwen3.5-labels", "qwen3.5-all", "qwen3-labels", "few"])
+def test_the_liger_chunk_budget_gives_chunks_of_about_chunk_tokens_rows_not_liger_default_skinny_ones(tokens, vocab):
+    hidden = 2560
+    default = liger_chunk_rows(tokens, hidden, vocab, 1)
+    rows = liger_chunk_rows(tokens, hidden, vocab, cross_entropy.liger_chunk_budget(tokens, hidden, vocab))
+    if tokens >= 1024:
+        assert default <= 64  # what liger's own budget gives: 32 / 64-row GEMMs over the whole vocabulary
+        assert cross_entropy.CHUNK_TOKENS // 2 <= rows <= cross_entropy.CHUNK_TOKENS
+    else:
+        assert rows == tokens  # one chunk
+    logits_bytes = rows * vocab * 2  # liger keeps one bf16 chunk of logits
+    assert logits_bytes <= cross_entropy.CHUNK_TOKENS * vocab * 2
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and cross_entropy._liger_function() is not None),
+                    reason="needs CUDA and liger-kernel >= 0.8.5")
+def test_on_a_gpu_liger_runs_the_head_in_chunk_tokens_row_gemms_with_the_chunked_path_loss_and_gradient():
+    """Qwen3.5-4B's head (2560 -> 248,320) on 1,984 labelled tokens: every head GEMM liger runs has at least
+    CHUNK_TOKENS / 2 rows (liger's own budget would run 62 of 32 rows), and loss and gradient equal the chunked
+    path's."""
+    torch.manual_seed(0)
+    hidden = (torch.randn(1984, 2560, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+    head = torch.nn.Linear(2560, 248320, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    target = torch.randint(0, 248320, (1984,), device="cuda")
+    target[::7] = -100
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fused = cross_entropy.linear_cross_entropy(hidden, head, target)
+    rows = [e.input_shapes[0][0] for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::matmul")
+            and e.input_shapes and len(e.input_shapes[0]) == 2 and e.input_shapes[1][-1] == 248320]
+    assert rows and min(rows) >= cross_entropy.CHUNK_TOKENS // 2, rows
+    fused.backward()
+    fused_grad, hidden.grad = hidden.grad.float(), None
+    chunked = cross_entropy.ChunkedLinearCrossEntropy.apply(hidden, head.weight, None, target, -100, 1024)
+    chunked.backward()
+    assert abs(float(fused) - float(chunked)) < 1e-3 * abs(float(chunked))
+    assert torch.nn.functional.cosine_similarity(fused_grad.flatten(), hidden.grad.float().flatten(), dim=0) > 0.999
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("name", PRESETS)
 def test_a_batch_moved_with_its_host_copy_gives_the_same_loss_and_gradients_bit_for_bit(name, packed):

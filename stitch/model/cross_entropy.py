@@ -69,6 +69,35 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return out_h, out_w, out_b, None, None, None
 
 
+def liger_chunk_budget(tokens: int, hidden: int, vocab: int, rows: int | None = None) -> int:
+    """liger's ``chunk_mem_const`` for chunks of about ``rows`` tokens (default ``CHUNK_TOKENS``).
+
+    liger sizes a chunk so that its logits take ``chunk_mem_const`` times the hidden states' memory: at its default
+    of 1 that is ``tokens / ceil(vocab / hidden)`` rows, 32 for Qwen3.5's 248,320-word vocabulary at ~2,000
+    labelled tokens, and each chunk is then a skinny GEMM over the whole vocabulary. On the H200 those 62 calls a
+    step ran on 32-wide cuBLAS tiles: ~38 ms of a 194 ms packed Qwen3.5-4B step (BENCHMARKS.md §0i). This budget
+    asks for chunks of ``rows`` instead (liger rounds to a power of two), the same size as the chunked path's."""
+    rows = CHUNK_TOKENS if rows is None else rows
+    return max(1, -(-vocab * min(rows, tokens) // (hidden * max(tokens, 1))))
+
+
+# liger's chunk rows (``liger_chunk_budget``); None keeps liger's own default budget (the benchmark's baseline)
+LIGER_CHUNK_TOKENS: int | None = CHUNK_TOKENS
+
+
+@functools.cache
+def _liger_function() -> Any:
+    """liger's autograd function when it takes a chunk budget (``chunk_mem_const``, liger >= 0.8.5), else None."""
+    import inspect
+
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except Exception:  # noqa: BLE001 - a liger without it uses its module and its own budget
+        return None
+    params = list(inspect.signature(LigerFusedLinearCrossEntropyFunction.forward).parameters)
+    return LigerFusedLinearCrossEntropyFunction if params[18:19] == ["chunk_mem_const"] else None  # after ctx
+
+
 @functools.cache
 def _liger_loss() -> Any:
     if importlib.util.find_spec("liger_kernel") is None:
@@ -89,6 +118,15 @@ def linear_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, target: to
                          chunk: int | None = None) -> torch.Tensor:
     """Summed CE of ``head(hidden)`` (hidden [N, H], target [N], -100 ignored) in fp32, never holding all logits."""
     if uses_liger(hidden):
-        out = _liger_loss()(head.weight, hidden, target, head.bias)
+        function = _liger_function()
+        if function is not None and LIGER_CHUNK_TOKENS is not None:
+            budget = liger_chunk_budget(hidden.shape[0], hidden.shape[1], head.weight.shape[0], LIGER_CHUNK_TOKENS)
+            # (input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+            #  softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
+            #  return_predicted_tokens, ce_impl, ce_mode, chunk_mem_const)
+            out = function.apply(hidden, head.weight, target, head.bias, None, -100, 0.0, 0.0, "sum", None, False,
+                                 None, False, False, False, None, None, budget)
+        else:
+            out = _liger_loss()(head.weight, hidden, target, head.bias)
         return (out[0] if isinstance(out, tuple) else out).float()
     return ChunkedLinearCrossEntropy.apply(hidden, head.weight, head.bias, target, -100, chunk or CHUNK_TOKENS)
