@@ -24,6 +24,12 @@
 #   bash benchmarks/h200_issue14.sh round9    # Nemotron-Nano-4B's four modes in ONE process, then dense 4B's in it
 #   bash benchmarks/h200_issue14.sh round10   # every LoRA GEMM shape timed (lora_gemm_shapes.py), then Qwen3.5-4B
 #                                             # packed profiled with its GEMMs by input shape
+#   bash benchmarks/h200_issue14.sh prepare10 # stitch prepare (torch's uint8 resize in the workers) on 16k and 64k
+#                                             # JPEGs, then encode only, eager and compiled; carry .whl-demo and
+#                                             # .whl-pydantic only (pyarrow repacked: benchmarks/pack_datasets.sh)
+#   bash benchmarks/h200_issue14.sh round10c  # liger's head in CHUNK_TOKENS-row chunks: its GPU tests, then dense 4B
+#                                             # and Qwen3.5-4B in one process: packed, packed_liger_chunks,
+#                                             # packed_ungrouped, stock
 #   bash benchmarks/h200_issue14.sh round10b  # SharedInputLoRA's GPU test; the LoRA GEMM shapes (with the grouped
 #                                             # Gated DeltaNet inputs); Qwen3.5-4B + dense 4B packed vs
 #                                             # packed_ungrouped in one process, each profiled
@@ -32,7 +38,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-liger/*.whl .whl-pydantic/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl-liger/*.whl 2>/dev/null) \
+  .whl-pydantic/*.whl
 bash benchmarks/device_site.sh /tmp/site >/dev/null
 export PYTHONPATH=/tmp/site:.
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
@@ -269,6 +276,36 @@ case "${1:-dense}" in
     timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 3 --warmup 2 \
       --skip-parity --modes packed --profile 1 --tag _round10 --out "$OUT" 2>&1 | tee "$OUT/sft_qwen.log" \
       | grep -E "packed: " | cut -c1-150
+    ;;
+  prepare10)  # the shipped stitch prepare after its workers moved from PIL's resize to torch's uint8 kernels (4.42 ->
+    # 2.48 ms a COCO-sized JPEG on one CPU core): 16,384 JPEGs with torch's resize and with PIL's (the baseline, same
+    # call), 65,536 with torch's; prepare only; then encode only at 2048, eager and compiled, beside stock
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/*.whl
+    tar xJf .whl-demo/pyarrow.tar.xz -C /tmp/site
+    python3 -c "import huggingface_hub as h, sys; sys.exit(tuple(map(int, h.__version__.split('.')[:2])) < (1, 31))" \
+      || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/hub/*.whl
+    for run in "16384 torch" "16384 pil" "65536 torch"; do
+      set -- $run
+      timeout 150 python3 benchmarks/prepare_stitch.py --images $1 --skip-encode $([ $2 = pil ] && echo --pil-resize) \
+        --name prepare_stitch_round10_$1_$2 --out "$OUT" 2>&1 | tee "$OUT/prepare_$1_$2.log" | grep -v "^USDT" \
+        | grep -E "^prepare|phase|Error" | cut -c1-1500
+    done
+    timeout $((570 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare --variants stitch_eager,stitch_compile \
+      --batches 2048 --name prepare_stitch_round10_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" \
+      | grep -v "^USDT" | grep -E "^encode|Error" | cut -c1-900
+    ;;
+  round10c)  # round10b's profile put Qwen3.5's two skinny cuBLAS kernels (38 ms of 194) in liger's head GEMMs: 62
+    # chunks of 32 rows over the 248,320-word vocabulary. stitch now asks liger for CHUNK_TOKENS-row chunks; the GPU
+    # tests check the rows and the loss, then both shapes run the shipped packed step against liger's own budget
+    # (and Qwen3.5 against the ungrouped projections, dense against stock) in one process
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_fast_paths.py -k "liger" 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 12 --warmup 3 \
+      --skip-parity --modes packed,packed_liger_chunks,packed_ungrouped,stock --profile 1 \
+      --profile-modes packed --tag _round10c --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "(packed|packed_liger_chunks|packed_ungrouped|stock): |dense /" | cut -c1-200
     ;;
   round10b)  # the grouped Gated DeltaNet inputs (SharedInputLoRA): its GPU test at the 4B shape (cuBLAS only), every
     # LoRA GEMM shape plus the four projections as four nodes and as one, then Qwen3.5-4B and dense 4B packed against

@@ -408,6 +408,8 @@ def main() -> None:
                                                                 "full-size JPEGs; implies --skip-encode")
     ap.add_argument("--project-workers", type=int, default=15, help="--cpu-pipeline: project img/s to this many "
                                                                      "workers")
+    ap.add_argument("--pil-resize", action="store_true", help="the workers resize with PIL, as before torch's uint8 "
+                    "kernels (ClipGeometry identity clip-uint8-draft/1): the baseline of the shipped geometry")
     ap.add_argument("--profile", action="store_true", help="cProfile prepare's main thread (top 25 by own time)")
     args = ap.parse_args()
     if args.cpu_pipeline:
@@ -423,6 +425,11 @@ def main() -> None:
     os.environ.setdefault("STITCH_CACHE", str(Path(args.scratch) / "stitch-cache"))  # the built snapshots
     log(f"device {device}; torch {torch.__version__}")
     host, spec = bench_host(args.smoke, null_tower=args.cpu_pipeline)
+    if args.pil_resize:  # the forked workers inherit the switch
+        import stitch_clip.encoder as clip_encoder
+
+        clip_encoder.TORCH_RESAMPLE.clear()  # every filter through resize_uint8's PIL branch
+        clip_encoder.ClipGeometry.identity = "clip-uint8-draft/1"
     root = Path(args.scratch) / "data"
     result: dict = {"config": {k: v for k, v in vars(args).items()}}
     result["dataset"] = make_dataset(root, args.images, args.unique, max(1, os.cpu_count() or 1), args.smoke)
