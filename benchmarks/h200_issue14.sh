@@ -27,6 +27,8 @@
 #   bash benchmarks/h200_issue14.sh prepare10 # stitch prepare (torch's uint8 resize in the workers) on 16k and 64k
 #                                             # JPEGs, then encode only, eager and compiled; carry .whl-demo and
 #                                             # .whl-pydantic only (pyarrow repacked: benchmarks/pack_datasets.sh)
+#   bash benchmarks/h200_issue14.sh prepare10b # prepare10 again with 64-row worker tasks, after one untimed warm-up run
+#                                             # (prepare10's first run paid the fresh machine's cold start)
 #   bash benchmarks/h200_issue14.sh round10c  # liger's head in CHUNK_TOKENS-row chunks: its GPU tests, then dense 4B
 #                                             # and Qwen3.5-4B in one process: packed, packed_liger_chunks,
 #                                             # packed_ungrouped, stock
@@ -293,6 +295,22 @@ case "${1:-dense}" in
     timeout $((570 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare --variants stitch_eager,stitch_compile \
       --batches 2048 --name prepare_stitch_round10_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" \
       | grep -v "^USDT" | grep -E "^encode|Error" | cut -c1-900
+    ;;
+  prepare10b)  # prepare10 with the worker tasks at 64 rows (16 before: fewer hand-overs for the main process, which
+    # bounded prepare10's steady state at ~0.36 ms a row); a 2,048-image run first warms the machine (prepare10's
+    # first run paid CUDA's and the page cache's cold start, so its PIL baseline ran warm and the new path cold)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/*.whl
+    tar xJf .whl-demo/pyarrow.tar.xz -C /tmp/site
+    python3 -c "import huggingface_hub as h, sys; sys.exit(tuple(map(int, h.__version__.split('.')[:2])) < (1, 31))" \
+      || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/hub/*.whl
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "16384 torch" "16384 pil" "65536 torch"; do
+      set -- $run
+      timeout 150 python3 benchmarks/prepare_stitch.py --images $1 --skip-encode $([ $2 = pil ] && echo --pil-resize) \
+        --name prepare_stitch_round10b_$1_$2 --out "$OUT" 2>&1 | tee "$OUT/prepare_$1_$2.log" | grep -v "^USDT" \
+        | grep -E "^prepare|phase|Error" | cut -c1-1500
+    done
     ;;
   round10c)  # round10b's profile put Qwen3.5's two skinny cuBLAS kernels (38 ms of 194) in liger's head GEMMs: 62
     # chunks of 32 rows over the 248,320-word vocabulary. stitch now asks liger for CHUNK_TOKENS-row chunks; the GPU

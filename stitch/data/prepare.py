@@ -634,7 +634,7 @@ def media_pool(workers: int, decoder: RowDecoder) -> Executor | None:
     return pool
 
 
-MEDIA_CHUNK_ROWS = 16  # rows per worker task: large enough to amortise the hand-over, small enough to pipeline
+MEDIA_CHUNK_ROWS = 64  # rows per worker task: large enough to amortise the hand-over, small enough to pipeline
 
 
 # -- shards ---------------------------------------------------------------------------------------------
