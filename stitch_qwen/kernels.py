@@ -233,7 +233,8 @@ class _FusedGatedDeltaNet:
         core, _ = fla["rule"](
             query.reshape(rows, width, -1, self.head_k_dim), key.reshape(rows, width, -1, self.head_k_dim),
             value.reshape(rows, width, -1, self.head_v_dim), decay, beta, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True, **fla_seqlens(starts))
+            use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
+            **fla_seqlens(starts))
         core = fla["norm"](core.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim), self.norm.weight,
                            None, activation=self.norm.activation, eps=self.norm.variance_epsilon)
         return self.out_proj(core.reshape(rows, width, -1))
