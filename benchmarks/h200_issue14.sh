@@ -45,6 +45,25 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $
 bash benchmarks/device_site.sh /tmp/site >/dev/null
 export PYTHONPATH=/tmp/site:.
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+# pack_datasets.sh's carry (.whl-demo): datasets, the repacked pyarrow, and huggingface_hub where the image's is older
+# than datasets needs
+install_datasets() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/*.whl
+  tar xJf .whl-demo/pyarrow.tar.xz -C /tmp/site
+  python3 -c "import huggingface_hub as h, sys; sys.exit(tuple(map(int, h.__version__.split('.')[:2])) < (1, 31))" \
+    || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/hub/*.whl
+}
+# stitch prepare (prepare only) on 16,384 JPEGs with torch's resize and PIL's, then 65,536 with torch's; results named
+# prepare_stitch_<tag>_<images>_<resize>
+prepare_torch_and_pil() {
+  local tag=$1 run
+  for run in "16384 torch" "16384 pil" "65536 torch"; do
+    set -- $run
+    timeout 150 python3 benchmarks/prepare_stitch.py --images "$1" --skip-encode $([ "$2" = pil ] && echo --pil-resize) \
+      --name "prepare_stitch_${tag}_$1_$2" --out "$OUT" 2>&1 | tee "$OUT/prepare_$1_$2.log" | grep -v "^USDT" \
+      | grep -E "^prepare|phase|Error" | cut -c1-1500
+  done
+}
 # GPU kernel tests (pytest arguments: "$@"), then the fla sync test again with fla_scan's fix reverted (a fresh
 # .long() per call), where it must fail; the checkout is restored after
 fla_sync_tests() {
@@ -120,7 +139,7 @@ case "${1:-dense}" in
     ;;
   prepare)  # the shipped stitch prepare on 16k JPEGs (encode-only: eager and compiled at 2048), then the encoder
     # variants without compile (host-copy share, fused q/k/v, copy on a side stream); carry .whl-demo (datasets)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/*.whl
+    install_datasets
     timeout 200 python3 benchmarks/prepare_stitch.py --variants stitch_eager,stitch_compile --batches 2048 \
       --out "$OUT" 2>&1 | tee "$OUT/prepare.log" | grep -v "^USDT" | grep -E "^prepare|^encode|phase" | cut -c1-900
     timeout 120 python3 benchmarks/encode_variants.py --variants shipped,on_device,fused_qkv,pipelined \
@@ -149,7 +168,7 @@ case "${1:-dense}" in
   round5b)  # the fla sync test (now with chunk offsets known on the host), Nemotron-Nano-4B packed / baseline /
     # stock, then the shipped stitch prepare on 16k JPEGs (encoder warm-up in its loader thread, async copies back)
     bash benchmarks/install_kernels.sh /tmp/fla
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/*.whl
+    install_datasets
     export PYTHONPATH=/tmp/site:/tmp/fla:.
     timeout 100 python3 -m pytest -q -rs -p no:cacheprovider -k "read_nothing_back or gpu" tests/test_nemotron_kernels.py \
       2>&1 | tee "$OUT/gpu_tests.log" | tail -3
@@ -282,16 +301,8 @@ case "${1:-dense}" in
   prepare10)  # the shipped stitch prepare after its workers moved from PIL's resize to torch's uint8 kernels (4.42 ->
     # 2.48 ms a COCO-sized JPEG on one CPU core): 16,384 JPEGs with torch's resize and with PIL's (the baseline, same
     # call), 65,536 with torch's; prepare only; then encode only at 2048, eager and compiled, beside stock
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/*.whl
-    tar xJf .whl-demo/pyarrow.tar.xz -C /tmp/site
-    python3 -c "import huggingface_hub as h, sys; sys.exit(tuple(map(int, h.__version__.split('.')[:2])) < (1, 31))" \
-      || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/hub/*.whl
-    for run in "16384 torch" "16384 pil" "65536 torch"; do
-      set -- $run
-      timeout 150 python3 benchmarks/prepare_stitch.py --images $1 --skip-encode $([ $2 = pil ] && echo --pil-resize) \
-        --name prepare_stitch_round10_$1_$2 --out "$OUT" 2>&1 | tee "$OUT/prepare_$1_$2.log" | grep -v "^USDT" \
-        | grep -E "^prepare|phase|Error" | cut -c1-1500
-    done
+    install_datasets
+    prepare_torch_and_pil round10
     timeout $((570 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare --variants stitch_eager,stitch_compile \
       --batches 2048 --name prepare_stitch_round10_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" \
       | grep -v "^USDT" | grep -E "^encode|Error" | cut -c1-900
@@ -299,18 +310,10 @@ case "${1:-dense}" in
   prepare10b)  # prepare10 with the worker tasks at 64 rows (16 before: fewer hand-overs for the main process, which
     # bounded prepare10's steady state at ~0.36 ms a row); a 2,048-image run first warms the machine (prepare10's
     # first run paid CUDA's and the page cache's cold start, so its PIL baseline ran warm and the new path cold)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/*.whl
-    tar xJf .whl-demo/pyarrow.tar.xz -C /tmp/site
-    python3 -c "import huggingface_hub as h, sys; sys.exit(tuple(map(int, h.__version__.split('.')[:2])) < (1, 31))" \
-      || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/hub/*.whl
+    install_datasets
     timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
       > /dev/null 2>&1
-    for run in "16384 torch" "16384 pil" "65536 torch"; do
-      set -- $run
-      timeout 150 python3 benchmarks/prepare_stitch.py --images $1 --skip-encode $([ $2 = pil ] && echo --pil-resize) \
-        --name prepare_stitch_round10b_$1_$2 --out "$OUT" 2>&1 | tee "$OUT/prepare_$1_$2.log" | grep -v "^USDT" \
-        | grep -E "^prepare|phase|Error" | cut -c1-1500
-    done
+    prepare_torch_and_pil round10b
     ;;
   round10c)  # round10b's profile put Qwen3.5's two skinny cuBLAS kernels (38 ms of 194) in liger's head GEMMs: 62
     # chunks of 32 rows over the 248,320-word vocabulary. stitch now asks liger for CHUNK_TOKENS-row chunks; the GPU

@@ -731,41 +731,10 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
         try:
             if mode == "stock":
                 modes[mode] = run_stock(model, optimizer, groups, args, info, device)
-            elif mode in ("packed_unfused", "packed_gdn_reference"):  # the shipped packed step with transformers'
-                # own norms / MLP / RoPE / Gated DeltaNet forward, or with only its Gated DeltaNet forward
-                from stitch_qwen.kernels import (
-                    FUSED_MIXINS,
-                    _FusedGatedDeltaNet,
-                    restore_reference_kernels,
-                    use_fused_kernels,
-                )
-
-                restore_reference_kernels(model.lm, FUSED_MIXINS if mode == "packed_unfused" else
-                                          (_FusedGatedDeltaNet,))
-                try:
+            elif mode in PACKED_VARIANTS:
+                with packed_variant(mode, model):
                     modes[mode] = {**run_mode("packed", model, optimizer, groups, samples, pixels, args, ids, info,
                                               device), "mode": mode}
-                finally:
-                    use_fused_kernels(model.lm)
-            elif mode == "packed_liger_chunks":  # liger's own chunk budget for the head + loss
-                from stitch.model import cross_entropy
-
-                rows, cross_entropy.LIGER_CHUNK_TOKENS = cross_entropy.LIGER_CHUNK_TOKENS, None
-                try:
-                    modes[mode] = {**run_mode("packed", model, optimizer, groups, samples, pixels, args, ids, info,
-                                              device), "mode": mode}
-                finally:
-                    cross_entropy.LIGER_CHUNK_TOKENS = rows
-            elif mode == "packed_ungrouped":  # every projection its own node, as before the grouping
-                import stitch_qwen.kernels as qwen_kernels
-
-                grouped = qwen_kernels.shared_input_projections
-                qwen_kernels.shared_input_projections = lambda x, modules: [m(x) for m in modules]
-                try:
-                    modes[mode] = {**run_mode("packed", model, optimizer, groups, samples, pixels, args, ids, info,
-                                              device), "mode": mode}
-                finally:
-                    qwen_kernels.shared_input_projections = grouped
             else:
                 modes[mode] = run_mode(mode, model, optimizer, groups, samples, pixels, args, ids, info, device)
         except torch.OutOfMemoryError as exc:
@@ -775,6 +744,48 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
         if save is not None:  # a run cut short by a time limit still leaves the modes it finished
             save(summarize(info, modes))
     return summarize(info, modes)
+
+
+PACKED_VARIANTS = ("packed_unfused", "packed_gdn_reference", "packed_liger_chunks", "packed_ungrouped")
+
+
+@contextlib.contextmanager
+def packed_variant(mode: str, model):
+    """The shipped packed step with one of its fast paths switched off inside (the ``PACKED_VARIANTS`` modes):
+    transformers' own norms / MLP / RoPE / Gated DeltaNet forward, or only its Gated DeltaNet forward; liger's own
+    chunk budget for the head + loss; every Gated DeltaNet input projection its own node, as before the grouping."""
+    if mode in ("packed_unfused", "packed_gdn_reference"):
+        from stitch_qwen.kernels import (
+            FUSED_MIXINS,
+            _FusedGatedDeltaNet,
+            restore_reference_kernels,
+            use_fused_kernels,
+        )
+
+        restore_reference_kernels(model.lm, FUSED_MIXINS if mode == "packed_unfused" else (_FusedGatedDeltaNet,))
+        try:
+            yield
+        finally:
+            use_fused_kernels(model.lm)
+    elif mode == "packed_liger_chunks":
+        from stitch.model import cross_entropy
+
+        rows, cross_entropy.LIGER_CHUNK_TOKENS = cross_entropy.LIGER_CHUNK_TOKENS, None
+        try:
+            yield
+        finally:
+            cross_entropy.LIGER_CHUNK_TOKENS = rows
+    elif mode == "packed_ungrouped":
+        import stitch_qwen.kernels as qwen_kernels
+
+        grouped = qwen_kernels.shared_input_projections
+        qwen_kernels.shared_input_projections = lambda x, modules: [m(x) for m in modules]
+        try:
+            yield
+        finally:
+            qwen_kernels.shared_input_projections = grouped
+    else:
+        raise ValueError(f"{mode!r} is not one of {PACKED_VARIANTS}")
 
 
 def summarize(info: dict, modes: dict) -> dict:

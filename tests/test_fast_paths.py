@@ -274,6 +274,16 @@ def test_bf16_lm_trains_lora_and_projector_in_bf16_on_fp32_master_weights(monkey
     assert moved and all(not torch.equal(before[n], trainable[n]) for n in moved)
 
 
+def assert_matches_chunked_path(fused, hidden, head, target, chunk: int) -> None:
+    """liger's loss ``fused`` of ``head(hidden)`` and its gradient against the chunked path's (bf16 tolerance)."""
+    fused.backward()
+    fused_grad, hidden.grad = hidden.grad.float(), None
+    chunked = cross_entropy.ChunkedLinearCrossEntropy.apply(hidden, head.weight, None, target, -100, chunk)
+    chunked.backward()
+    assert abs(float(fused) - float(chunked)) < 1e-3 * abs(float(chunked))
+    assert torch.nn.functional.cosine_similarity(fused_grad.flatten(), hidden.grad.float().flatten(), dim=0) > 0.999
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and cross_entropy._liger_loss() is not None),
                     reason="needs CUDA and liger-kernel")
 def test_liger_fused_cross_entropy_equals_the_chunked_path_on_a_gpu():
@@ -283,12 +293,7 @@ def test_liger_fused_cross_entropy_equals_the_chunked_path_on_a_gpu():
     target = torch.randint(0, 1000, (600,), device="cuda")
     assert cross_entropy.uses_liger(hidden)
     fused = cross_entropy.linear_cross_entropy(hidden, head, target)
-    fused.backward()
-    fused_grad, hidden.grad = hidden.grad.float(), None
-    chunked = cross_entropy.ChunkedLinearCrossEntropy.apply(hidden, head.weight, None, target, -100, 128)
-    chunked.backward()
-    assert abs(float(fused) - float(chunked)) < 1e-3 * abs(float(chunked))
-    assert torch.nn.functional.cosine_similarity(fused_grad.flatten(), hidden.grad.float().flatten(), dim=0) > 0.999
+    assert_matches_chunked_path(fused, hidden, head, target, 128)
 
 
 def liger_chunk_rows(tokens: int, hidden: int, vocab: int, budget: int) -> int:
@@ -328,12 +333,7 @@ def test_on_a_gpu_liger_runs_the_head_in_chunk_tokens_row_gemms_with_the_chunked
     rows = [e.input_shapes[0][0] for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::matmul")
             and e.input_shapes and len(e.input_shapes[0]) == 2 and e.input_shapes[1][-1] == 248320]
     assert rows and min(rows) >= cross_entropy.CHUNK_TOKENS // 2, rows
-    fused.backward()
-    fused_grad, hidden.grad = hidden.grad.float(), None
-    chunked = cross_entropy.ChunkedLinearCrossEntropy.apply(hidden, head.weight, None, target, -100, 1024)
-    chunked.backward()
-    assert abs(float(fused) - float(chunked)) < 1e-3 * abs(float(chunked))
-    assert torch.nn.functional.cosine_similarity(fused_grad.flatten(), hidden.grad.float().flatten(), dim=0) > 0.999
+    assert_matches_chunked_path(fused, hidden, head, target, 1024)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
