@@ -130,16 +130,17 @@ def module_step(tokens: int, d_in: int, d_out: int, rank: int, device, dtype) ->
 GDN_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # what the fused Gated DeltaNet groups
 
 
-def gdn_inputs(targets: list[dict], tokens: int, rank: int, device, dtype) -> dict:
+def gdn_inputs(targets: list[dict], tokens: int, rank: int, device, dtype) -> tuple[int, dict]:
     """The fused Gated DeltaNet's four input projections, forward + backward, as four ``LoRAProduct`` nodes and as
-    one ``SharedInputLoRA`` node (``shared_input_projections``, shipped); empty for a shape without them."""
+    one ``SharedInputLoRA`` node (``shared_input_projections``, shipped): ``(layers, {name: fn})``, ``(0, {})`` for a
+    shape without them."""
     from peft import LoraConfig, get_peft_model
 
     from stitch.model.precision import lora_in_half_compute, shared_input_projections
 
     widths = {t["kind"]: (t["in"], t["out"], t["count"]) for t in targets if t["kind"] in GDN_INPUTS}
     if len(widths) < len(GDN_INPUTS):
-        return {}
+        return 0, {}
     holder = torch.nn.Module()
     for kind in GDN_INPUTS:
         d_in, d_out, _ = widths[kind]
@@ -154,9 +155,8 @@ def gdn_inputs(targets: list[dict], tokens: int, rank: int, device, dtype) -> di
     def step(outs):
         torch.autograd.backward(outs, grads)
 
-    return {"count": widths["in_proj_qkv"][2],
-            "four nodes": lambda: step([m(x) for m in modules]),
-            "one node (shipped)": lambda: step(shared_input_projections(x, modules))}
+    return widths["in_proj_qkv"][2], {"four nodes": lambda: step([m(x) for m in modules]),
+                                      "one node (shipped)": lambda: step(shared_input_projections(x, modules))}
 
 
 def run_shape(shape: str, args, device, dtype) -> dict:
@@ -183,8 +183,7 @@ def run_shape(shape: str, args, device, dtype) -> dict:
         rows.append(row)
         log(f"{shape} {target['kind']} {d_in}->{d_out} x{n}: "
             + ", ".join(f"{op} {v}" for op, v in row["ms"].items()))
-    grouped = gdn_inputs(rows, args.tokens, args.rank, device, dtype)
-    layers = grouped.pop("count", 0)
+    layers, grouped = gdn_inputs(rows, args.tokens, args.rank, device, dtype)
     for name, fn in grouped.items():
         totals[f"Gated DeltaNet inputs fwd+bwd, {name}"] = layers * timed(fn, args.reps)
     per_step = {k: round(v, 2) for k, v in totals.items()}
