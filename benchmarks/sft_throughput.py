@@ -455,6 +455,11 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
             if args.profile and mode in args.profile_modes.split(",")
             else None
         )
+        host_profile = (
+            host_profile_steps(one_step, args.host_profile)
+            if args.host_profile and mode in args.profile_modes.split(",")
+            else None
+        )
     total = sum(times)
     tokens_per_s = real / total
     flops_6n = 6 * info["params_matmul_N"] * real
@@ -484,6 +489,8 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
     }
     if profile is not None:
         result["profile"] = profile
+    if host_profile is not None:
+        result["host_profile"] = host_profile
     if mode == "packed":
         result["pack_fill"] = round(real / padded, 4)
         result["rows"], result["budget"] = args.rows, args.budget
@@ -654,6 +661,59 @@ def profile_steps(one_step, steps: int, top: int = 30) -> dict:
         "kernels_per_step": sum(n for _, _, n, op in rows if not op),
         "launch_calls_per_step": sum(e.count for e in averages if "LaunchKernel" in e.key) // steps,
         "aten_calls_per_step": sum(e.count for e in averages if e.key.startswith("aten::")) // steps,  # nested too
+    }
+
+
+# where a host frame's file puts its time: first matching marker wins (site-packages paths and this checkout's)
+HOST_PACKAGES = ("fla/", "triton/", "liger_kernel/", "transformers/", "peft/", "torch/", "stitch_qwen/",
+                 "stitch_nemotron/", "stitch/", "benchmarks/")
+
+
+def host_package(file: str, function: str) -> str:
+    """The package a cProfile entry belongs to; C functions (file ``~``) by their module prefix."""
+    if file == "~":
+        return "torch C calls" if "torch" in function or "Tensor" in function else "other C calls"
+    for marker in HOST_PACKAGES:
+        if marker in file:
+            return marker.strip("/")
+    return "other python"
+
+
+def host_profile_steps(one_step, steps: int, top: int = 40) -> dict:
+    """cProfile over ``steps`` more steps, each synced at its end: where the *host's* time goes, per step, by
+    function (own time and cumulative) and by package. The device profile above cannot show this: a host-bound
+    step's gap is Python (fla's and Triton's launchers, autograd, wrappers) between kernel launches. cProfile
+    slows Python-heavy code, so read the shares, not the absolute times; ``wall_s_per_step`` is under cProfile."""
+    import cProfile
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        one_step()
+        sync()
+    prof.disable()
+    wall = (time.perf_counter() - t0) / steps
+    stats = pstats.Stats(prof).stats
+    rows = []
+    for (file, line, function), (_, calls, own, cumulative, _) in stats.items():
+        where = file.split("site-packages/")[-1].split("/work/")[-1] if file != "~" else "~"
+        rows.append((f"{where}:{line} {function}"[:140], calls // steps, own / steps, cumulative / steps,
+                     host_package(file, function)))
+    packages: dict[str, float] = {}
+    for *_, own, _, package in rows:
+        packages[package] = packages.get(package, 0.0) + own
+    ms = lambda s: round(s * 1000, 3)  # noqa: E731
+    return {
+        "steps": steps,
+        "wall_ms_per_step_under_cprofile": ms(wall),
+        "own_ms_per_step_by_package": {k: ms(v) for k, v in sorted(packages.items(), key=lambda kv: -kv[1])},
+        "top_own_ms_per_step": [[name, calls, ms(own)] for name, calls, own, _, _ in
+                                sorted(rows, key=lambda r: -r[2])[:top]],
+        "top_cumulative_ms_per_step": [[name, calls, ms(cum)] for name, calls, _, cum, _ in
+                                       sorted(rows, key=lambda r: -r[3])[:top]],
     }
 
 
@@ -828,6 +888,8 @@ def main() -> None:
     ap.add_argument(
         "--profile", type=int, default=0, help="profile N extra steps per mode in --profile-modes"
     )
+    ap.add_argument("--host-profile", type=int, default=0,
+                    help="cProfile N extra steps per mode in --profile-modes: the host's time by function")
     ap.add_argument("--profile-modes", default="packed")
     ap.add_argument(
         "--attn", default="sdpa", help="attn_implementation for the LM: sdpa | eager | flex_attention"
