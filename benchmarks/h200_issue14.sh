@@ -35,6 +35,16 @@
 #   bash benchmarks/h200_issue14.sh round10b  # SharedInputLoRA's GPU test; the LoRA GEMM shapes (with the grouped
 #                                             # Gated DeltaNet inputs); Qwen3.5-4B + dense 4B packed vs
 #                                             # packed_ungrouped in one process, each profiled
+#   bash benchmarks/h200_issue14.sh round11   # where the host's time goes: dense 4B and Qwen3.5-4B packed, each with a
+#                                             # device profile (1 step) and a cProfile of 3 steps (--host-profile)
+#   bash benchmarks/h200_issue14.sh prepare11 # the encoder's side-stream copies: their GPU test, stitch prepare on 16k
+#                                             # JPEGs with and without them and on 64k, then encode only (eager and
+#                                             # compiled, each with and without, then max-autotune); carry .whl-demo,
+#                                             # .whl-pydantic, .whl-liger
+#   bash benchmarks/h200_issue14.sh prepare11b # prepare11 with every host batch copied on the side stream (1,024-image
+#                                             # chunks): the GPU test and its mutation (no wait for the copy), stitch
+#                                             # prepare on 16k JPEGs serial / shipped / serial / shipped, encode only
+#   bash benchmarks/h200_issue14.sh round11b  # dense 4B and Qwen3.5-4B packed + stock in one process, 16 timed steps
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -306,6 +316,77 @@ case "${1:-dense}" in
     timeout $((570 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare --variants stitch_eager,stitch_compile \
       --batches 2048 --name prepare_stitch_round10_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" \
       | grep -v "^USDT" | grep -E "^encode|Error" | cut -c1-900
+    ;;
+  round11)  # round10c: Qwen3.5's device step is 1.203x dense's, its wall step 1.402x, both host-bound (device busy
+    # 40-52 %); Qwen3.5's host part ~244 ms against dense's ~122 ms. cProfile names the functions that take it
+    bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 12 --warmup 3 \
+      --skip-parity --modes packed --profile 1 --host-profile 3 --profile-modes packed --tag _round11 --out "$OUT" \
+      2>&1 | tee "$OUT/sft.log" | grep -E "packed: |dense /" | cut -c1-300
+    python3 - "$OUT" <<'PY'
+import json, sys, pathlib
+for f in sorted(pathlib.Path(sys.argv[1]).glob("sft_*4b_round11.json")):
+    m = json.loads(f.read_text())["modes"]["packed"]
+    h = m.get("host_profile", {})
+    print(f.name, "step", m.get("step_s_median"), "device", m.get("profile", {}).get("device_ms_per_step"),
+          "cprofile wall ms", h.get("wall_ms_per_step_under_cprofile"))
+    print(" by package", h.get("own_ms_per_step_by_package"))
+    for row in h.get("top_own_ms_per_step", [])[:25]:
+        print("  own", row)
+PY
+    ;;
+  prepare11)  # ClipImageEncoder copies a host batch in 512-image chunks on a side stream, each while the tower
+    # encodes the one before (the copy and the tower took turns on one stream)
+    install_datasets
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "16384 shipped" "16384 serial" "65536 shipped"; do
+      set -- $run
+      timeout 150 python3 benchmarks/prepare_stitch.py --images "$1" --skip-encode \
+        $([ "$2" = serial ] && echo --serial-copy) --name "prepare_stitch_round11_$1_$2" --out "$OUT" 2>&1 \
+        | tee "/tmp/prepare_$1_$2.log" | grep -E "^prepare|Error" | cut -c1-700
+    done
+    timeout 200 python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 \
+      --variants stitch_eager,stitch_eager_serial,stitch_compile,stitch_compile_serial \
+      --name prepare_stitch_round11_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" | grep -E "^encode|Error" \
+      | cut -c1-300
+    timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 \
+      --variants stitch_max_autotune --name prepare_stitch_round11_autotune --out "$OUT" 2>&1 \
+      | tee "$OUT/autotune.log" | grep -E "^encode|Error" | cut -c1-300
+    ;;
+  prepare11b)  # prepare11's one run each was inconclusive for prepare (the shipped run came first, and every phase
+    # of the serial run was faster); here the two alternate after one warm-up, and the side stream holds every copy
+    install_datasets
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    cp stitch_clip/encoder.py /tmp/encoder.py.keep
+    sed -i '/compute.wait_stream(side)/d' stitch_clip/encoder.py  # the tower no longer waits for its chunk's copy
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
+      | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
+    cp /tmp/encoder.py.keep stitch_clip/encoder.py
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "16384 serial a" "16384 shipped a" "16384 serial b" "16384 shipped b"; do
+      set -- $run
+      timeout 100 python3 benchmarks/prepare_stitch.py --images "$1" --skip-encode \
+        $([ "$2" = serial ] && echo --serial-copy) --name "prepare_stitch_round11b_$1_$2_$3" --out "$OUT" 2>&1 \
+        | tee "/tmp/prepare_$1_$2_$3.log" | grep -E "^prepare|Error" | cut -c1-330
+    done
+    timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 \
+      --variants stitch_eager,stitch_eager_serial,stitch_compile,stitch_compile_serial \
+      --name prepare_stitch_round11b_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" | grep -E "^encode|Error" \
+      | cut -c1-300
+    ;;
+  round11b)  # round11 again on whatever host this is: whether Qwen3.5's step stays within 1.2x of dense's, with
+    # stock transformers beside both; 5 warm-up steps (dense's first timed steps in round11 still recompiled liger)
+    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 16 --warmup 5 \
+      --skip-parity --modes packed,stock --profile 1 --profile-modes packed --tag _round11b --out "$OUT" 2>&1 \
+      | tee "$OUT/sft.log" | grep -E "(packed|stock): |dense /" | cut -c1-250
     ;;
   prepare10b)  # prepare10 with the worker tasks at 64 rows (16 before: fewer hand-overs for the main process, which
     # bounded prepare10's steady state at ~0.36 ms a row); a 2,048-image run first warms the machine (prepare10's

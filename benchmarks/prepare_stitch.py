@@ -273,6 +273,8 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
 
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        if args.out:  # the whole profile, for callers and cumulative views (python -m pstats FILE)
+            profile.dump_stats(str(Path(args.out) / f"{args.name}.pstats"))
         result["profile_top25"] = text.getvalue().splitlines()
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
@@ -333,8 +335,12 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
         pixels = stock_pixels.repeat((batch + len(raws) - 1) // len(raws), 1, 1, 1)[:batch]
         return stock(pixel_values=pixels.to(device, dtype), output_hidden_states=True).hidden_states[-2][:, 1:]
 
-    variants = {"stitch_eager": None, "stitch_compile": "default", "stitch_reduce_overhead": "reduce-overhead",
-                "stitch_max_autotune": "max-autotune", "stitch_channels_last": "channels_last"}
+    # name -> torch.compile mode (None: eager), and whether the batch goes to the GPU in ``pipeline_chunk`` chunks
+    # copied on a side stream (shipped) or as one copy followed by the tower (``_serial``, the previous order)
+    variants = {"stitch_eager": (None, True), "stitch_eager_serial": (None, False),
+                "stitch_compile": ("default", True), "stitch_compile_serial": ("default", False),
+                "stitch_reduce_overhead": ("reduce-overhead", True), "stitch_max_autotune": ("max-autotune", True),
+                "stitch_channels_last": ("channels_last", True)}
     chosen = args.variants.split(",")
     for batch in args.batches:
         row: dict = {}
@@ -342,15 +348,17 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
         row["stock_transformers"] = {"images_per_s": round(ips, 1), "warmup_s": round(warm, 2), "peak_gib": peak_gib(),
                                      "note": "processor pixels precomputed (host float32 -> device), eager, full tower"}
         for name in chosen:
-            mode = variants[name]
+            mode, pipelined = variants[name]
             if mode not in (None, "channels_last") and batch not in args.compile_batches:
                 continue
             encoder = spec.load(spec.source, device, dtype)
+            if not pipelined:
+                encoder.pipeline_chunk = None
             if mode == "channels_last":
                 encoder.model = encoder.model.to(memory_format=torch.channels_last)
-            elif mode is not None:
+            elif mode is not None:  # as ClipImageEncoder.compile does, with the mode
+                encoder.compile(batch)
                 encoder._tower = torch.compile(encoder._patches, dynamic=False, mode=mode)
-                encoder.compiled_batch = batch
             try:
                 ips, warm = timed(lambda b, e=encoder: e.encode(uint8[:b]), batch)
                 row[name] = {"images_per_s": round(ips, 1), "warmup_s": round(warm, 2), "peak_gib": peak_gib(),
@@ -390,8 +398,8 @@ def main() -> None:
     ap.add_argument("--encode-batch", type=int, default=1024, help="data.encode_batch_size")
     ap.add_argument("--shard-rows", type=int, default=2048, help="data.shard_rows")
     ap.add_argument("--batches", default="1024,2048,4096", help="encode-only batch sizes")
-    ap.add_argument("--variants", default="stitch_eager,stitch_compile,stitch_reduce_overhead,stitch_channels_last",
-                    help="also: stitch_max_autotune (several minutes of autotuning)")
+    ap.add_argument("--variants", default="stitch_eager,stitch_eager_serial,stitch_compile,stitch_compile_serial",
+                    help="also: stitch_reduce_overhead, stitch_channels_last, stitch_max_autotune (minutes)")
     ap.add_argument("--compile-batches", default="2048", help="batches at which compiled variants run (each "
                                                                 "compile costs tens of seconds)")
     ap.add_argument("--iters", type=int, default=20)
@@ -410,6 +418,8 @@ def main() -> None:
                                                                      "workers")
     ap.add_argument("--pil-resize", action="store_true", help="the workers resize with PIL, as before torch's uint8 "
                     "kernels (ClipGeometry identity clip-uint8-draft/1): the baseline of the shipped geometry")
+    ap.add_argument("--serial-copy", action="store_true", help="the encoder copies each batch to the GPU in one "
+                    "piece before the tower runs (pipeline_chunk None): the baseline of the side-stream copy")
     ap.add_argument("--profile", action="store_true", help="cProfile prepare's main thread (top 25 by own time)")
     args = ap.parse_args()
     if args.cpu_pipeline:
@@ -430,6 +440,10 @@ def main() -> None:
 
         clip_encoder.TORCH_RESAMPLE.clear()  # every filter through resize_uint8's PIL branch
         clip_encoder.ClipGeometry.identity = "clip-uint8-draft/1"
+    if args.serial_copy:  # for prepare's run; the encode-only variants set it per encoder
+        from stitch_clip.encoder import ClipImageEncoder
+
+        ClipImageEncoder.pipeline_chunk = None
     root = Path(args.scratch) / "data"
     result: dict = {"config": {k: v for k, v in vars(args).items()}}
     result["dataset"] = make_dataset(root, args.images, args.unique, max(1, os.cpu_count() or 1), args.smoke)

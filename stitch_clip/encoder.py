@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +199,12 @@ class ClipImageEncoder:
     """Frozen CLIPVisionModel + CLIPImageProcessor; ``encode`` returns [B, 49, width] (768 for ViT-B/32).
 
     ``encode`` takes decoded images (the processor runs) or a uint8 batch [B, 3, H, W] that ``ClipGeometry``
-    made: that is copied to the device as uint8 (a quarter of float32's bytes) and rescaled + normalised there."""
+    made: that is copied to the device as uint8 (a quarter of float32's bytes) and rescaled + normalised there.
+    A host uint8 batch goes to a GPU on a side stream, in chunks of ``pipeline_chunk``: each copy is queued while
+    the tower encodes the chunk before it, or, for a batch of one chunk, the batch of the call before (on one
+    stream the copies and the tower took turns; 1,024 images are 154 MB of uint8)."""
+
+    pipeline_chunk: int | None = 1024  # images per copied chunk; None: one copy on the tower's stream, then the tower
 
     def __init__(self, model: Any, processor: Any, device: torch.device, dtype: torch.dtype,
                  feature_width: int = FEATURE_WIDTH) -> None:
@@ -214,15 +220,17 @@ class ClipImageEncoder:
         self.mean, self.std = self.pixels.mean.to(device), self.pixels.std.to(device)
         self._tower = self._patches
         self.compiled_batch: int | None = None
+        self._copy_stream: Any = None
 
     def _patches(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.model(pixel_values=pixels).last_hidden_state[:, 1:, :]
 
     def compile(self, batch_size: int) -> None:
-        """``torch.compile`` the tower for batches of ``batch_size`` (smaller ones are padded to it: one graph,
-        no recompiles at shard or partition ends)."""
+        """``torch.compile`` the tower for batches of ``batch_size``, or of ``pipeline_chunk`` when that is smaller
+        (the chunks a large batch is copied and encoded in); smaller ones are padded to it: one graph, no
+        recompiles at shard or partition ends."""
         self._tower = torch.compile(self._patches, dynamic=False)
-        self.compiled_batch = batch_size
+        self.compiled_batch = min(batch_size, self.pipeline_chunk or batch_size)
 
     def warm_up(self, batch_size: int) -> None:
         """Encode one batch of black images of the crop size: the device's context, library handles and the
@@ -244,16 +252,44 @@ class ClipImageEncoder:
     @torch.no_grad()  # not inference_mode: its tensors could not flow into a trainable projector
     def encode(self, items: list[Any] | torch.Tensor) -> torch.Tensor:
         if isinstance(items, torch.Tensor) and items.dtype == torch.uint8:
-            pixels = self.normalise(items)
+            if self.pipeline_chunk is None or items.device == self.device:
+                patches = self._run(self.normalise(items))
+            else:
+                parts = [self._run(self.normalise(on_device)) for on_device in
+                         self._copied_ahead(items.split(self.compiled_batch or self.pipeline_chunk))]
+                patches = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
-            pixels = self.pixels(items).to(self.device, self.dtype)
-        patches = self._run(pixels)
+            patches = self._run(self.pixels(items).to(self.device, self.dtype))
         if tuple(patches.shape[1:]) != (TOKENS_PER_ITEM, self.feature_width):
             raise ValueError(
                 f"CLIP snapshot produced features {tuple(patches.shape[1:])}; this encoder declares "
                 f"({TOKENS_PER_ITEM}, {self.feature_width}): use a ViT-B/32-shaped tower at 224 px"
             )
         return patches
+
+    def _copied_ahead(self, chunks: tuple[torch.Tensor, ...]) -> Iterator[torch.Tensor]:
+        """Each host chunk on the encoder's device, in order. On a GPU the next chunk's copy is queued on a side
+        stream before this one is handed over, so it runs while the caller encodes this one; the compute stream
+        waits for a chunk's copy before using it, and the allocator keeps the chunk until that use is done."""
+        if self.device.type != "cuda":
+            yield from (chunk.to(self.device) for chunk in chunks)
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        side, compute = self._copy_stream, torch.cuda.current_stream(self.device)
+
+        def copy(chunk: torch.Tensor) -> torch.Tensor:
+            with torch.cuda.stream(side):
+                return chunk.to(self.device, non_blocking=True)
+
+        ahead = copy(chunks[0])
+        for index in range(len(chunks)):
+            compute.wait_stream(side)  # this chunk's copy (the only one queued so far) has landed
+            current = ahead
+            current.record_stream(compute)
+            if index + 1 < len(chunks):
+                ahead = copy(chunks[index + 1])
+            yield current
 
     def _run(self, pixels: torch.Tensor) -> torch.Tensor:
         step = self.compiled_batch

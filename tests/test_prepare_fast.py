@@ -226,3 +226,25 @@ def test_patch_embedding_as_one_gemm_equals_the_stride_32_conv_it_replaces(tiny)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     with torch.no_grad():  # a size the kernel does not tile takes the stock conv
         torch.testing.assert_close(gemm(pixels[:, :, :100, :100]), conv(pixels[:, :, :100, :100]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream copy needs a CUDA device")
+def test_on_a_gpu_a_batch_copied_in_chunks_on_a_side_stream_gives_the_one_copy_features(host_module):
+    spec = host_module.get("encoders", "clip-tiny")
+    encoder = spec.load(spec.source, "cuda", torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (1100, 3, 224, 224), dtype=torch.uint8, generator=generator).pin_memory()
+    encoder.pipeline_chunk = None  # one copy, then the tower
+    whole = encoder.encode(pixels).float()
+    assert encoder._copy_stream is None
+    encoder.pipeline_chunk = 512  # chunks of 512, 512 and 76, each copy on the side stream
+    chunked = encoder.encode(pixels).float()
+    assert encoder._copy_stream is not None and chunked.shape == whole.shape == (1100, 49, 768)
+
+    def relative(a, b):
+        return ((a - b).norm(dim=(1, 2)) / b.norm(dim=(1, 2))).max().item()
+
+    assert relative(chunked, whole) <= 1e-2  # bf16: another batch size may pick other GEMM tiles
+    assert relative(chunked, whole.roll(1, 0)) > 0.1  # another image's features: the check can fail
+    encoder.pipeline_chunk = 2048  # one chunk, copied on the side stream: the same kernels on the same pixels
+    assert torch.equal(encoder.encode(pixels).float(), whole)
