@@ -468,6 +468,9 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         "mode": mode,
         "steps": steps,
         "tokens_per_s": round(tokens_per_s, 1),
+        # the same tokens over the median step: a host stall of one step (0.56 s among 0.26 s ones in round11b)
+        # moves the mean, not this
+        "tokens_per_s_median_step": round(real / steps / statistics.median(times), 1),
         "samples_per_s": round(n_samples / total, 2),
         "step_s_mean": round(total / steps, 4),
         "step_s_min": round(min(times), 4),
@@ -567,6 +570,7 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
         "mode": "stock",
         "steps": len(times),
         "tokens_per_s": round(tokens_per_s, 1),
+        "tokens_per_s_median_step": round(tokens / statistics.median(times), 1),
         "step_s_mean": round(total / len(times), 4),
         "step_s_min": round(min(times), 4),
         "step_s_median": round(statistics.median(times), 4),
@@ -868,6 +872,9 @@ def summarize(info: dict, modes: dict) -> dict:
         }
         if shipped_tps:
             out[f"ratio_stitch_as_shipped_vs_{reference}"] = round(shipped_tps / ref, 3)
+        median = {m: r.get("tokens_per_s_median_step") for m, r in modes.items()}
+        if median.get(shipped) and median.get(reference):
+            out[f"ratio_stitch_as_shipped_vs_{reference}_median_step"] = round(median[shipped] / median[reference], 3)
     return out
 
 
@@ -922,7 +929,7 @@ def main() -> None:
         "hybrid_packed_vs_own_padded_baseline": 1.5,
         "hybrid_tokens_per_s_within_x_of_dense": 1.2,
     }
-    shipped_tps = {}
+    shipped_tps, shipped_median = {}, {}
     for shape in args.shapes.split(","):
         name = args.name or f"sft_{shape}{args.tag}"
 
@@ -934,13 +941,17 @@ def main() -> None:
         result = run_shape(shape, args, host, device, save)
         shipped = result["stitch_as_shipped_mode"]
         shipped_tps[shape] = result["modes"].get(shipped, {}).get("tokens_per_s")
+        shipped_median[shape] = result["modes"].get(shipped, {}).get("tokens_per_s_median_step")
         log(f"{shape}: stitch ({shipped}) / stock = {result.get('ratio_stitch_as_shipped_vs_stock')}, "
             f"stitch / baseline = {result.get('ratio_stitch_as_shipped_vs_baseline')}, "
             f"stitch / llava = {result.get('ratio_stitch_as_shipped_vs_llava')}")
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if shipped_tps.get("dense4b") and len(shipped_tps) > 1:  # the hybrids against dense, from this one process
         dense = shipped_tps["dense4b"]
-        across = {shape: {"tokens_per_s": tps, "dense_over_shape": round(dense / tps, 3) if tps else None}
+        dense_median = shipped_median["dense4b"]
+        across = {shape: {"tokens_per_s": tps, "dense_over_shape": round(dense / tps, 3) if tps else None,
+                          "dense_over_shape_median_step": round(dense_median / shipped_median[shape], 3)
+                          if dense_median and shipped_median[shape] else None}
                   for shape, tps in shipped_tps.items()}
         write_result(f"sft_shapes{args.tag}", {"config": vars(args), "dense4b_tokens_per_s": dense,
                                                "shapes": across, "targets": targets}, args.out)
