@@ -439,3 +439,45 @@ def test_imagefolder_source_with_metadata_and_positional_row_ids(tmp_path, clip,
     rows = list(PreparedData(tmp_path / "out").rows())
     assert [r.id for r in rows] == ["row1", "row2", "row3"] and report.rows_scanned == 4
     assert rows[0].provenance["dataset"] == f"imagefolder:{tmp_path / 'folder'}"
+
+
+def test_manifest_lines_are_the_json_of_each_rows_manifest_row_byte_for_byte():
+    from stitch.data.feature_cache import FeatureKey, ManifestLines, ManifestRow
+
+    provenance = {"encoder": "clip-tiny", "encoder_id": "tiny:clip", "encoder_revision": None,
+                  "dataset": "json:/data/ünï.jsonl"}
+    lines = ManifestLines(49, 768, "bfloat16", provenance)
+    rows = [
+        ManifestRow("r0", "train", ({"role": "user", "content": "Wie viele? <|im_end|>"},
+                                    {"role": "assistant", "content": "drei \"3\"\n"}),
+                    (FeatureKey("a.safetensors", 0, "f" * 64), FeatureKey("a.safetensors", 1, None)),
+                    49, 768, "bfloat16", provenance, {"rejected": "vier"}),
+        ManifestRow("r1", "eval", ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}),
+                    (FeatureKey("b.safetensors", 7, "e" * 64),), 49, 768, "bfloat16", provenance, {}),
+    ]
+    for row in rows:
+        want = json.dumps(row.as_json(), ensure_ascii=False, separators=(",", ":")) + "\n"
+        assert lines.line(row.id, row.partition, row.messages, row.features, row.extra) == want
+        assert ManifestRow.from_json(json.loads(want)) == row
+    other = ManifestLines(49, 256, "bfloat16", provenance)  # the shared fields are the ones given
+    assert other.line("r1", "eval", rows[1].messages, rows[1].features) != lines.line(
+        "r1", "eval", rows[1].messages, rows[1].features)
+
+
+def test_stream_rows_read_in_batches_are_the_rows_the_stream_yields_one_by_one(tmp_path):
+    from datasets import Image, load_dataset
+
+    from stitch.data.prepare import stream_rows
+
+    with open(tmp_path / "rows.jsonl", "w") as fh:
+        for i in range(10):
+            fh.write(json.dumps({"id": f"r{i}", "image": f"imgs/{i}.png", "tags": ["a"] * (i % 3),
+                                 "question": f"q {i}", "answer": i}) + "\n")
+    stream = load_dataset("json", data_files=str(tmp_path / "rows.jsonl"), split="train", streaming=True,
+                          cache_dir=str(tmp_path / "cache"))
+    stream = stream.cast_column("image", Image(decode=False))
+    one_by_one = list(stream)
+    assert one_by_one[3]["image"] == {"bytes": None, "path": "imgs/3.png"}
+    assert list(stream_rows(stream, batch_size=4)) == one_by_one  # 10 rows: batches of 4, 4 and 2
+    assert list(stream_rows(iter(one_by_one))) == one_by_one  # a plain iterable of rows passes through
+    assert list(stream_rows(stream, batch_size=4))[:3] != one_by_one[1:4]  # order counts: the check can fail

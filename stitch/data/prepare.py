@@ -38,7 +38,7 @@ from stitch.data.feature_cache import (
     SHARD_FORMAT,
     SHARD_TENSOR,
     FeatureKey,
-    ManifestRow,
+    ManifestLines,
     file_sha256,
     shard_digest_path,
     verified_shard_digest,
@@ -250,6 +250,23 @@ def _undecoded(feature: Any) -> Any:
     inner = getattr(feature, "feature", None)
     inner = _undecoded(inner) if inner is not None else None
     return None if inner is None else dataclasses.replace(feature, feature=inner)
+
+
+STREAM_BATCH_ROWS = 256  # rows read from the stream at a time
+
+
+def stream_rows(stream: Iterable[Mapping[str, Any]], batch_size: int = STREAM_BATCH_ROWS) -> Iterator[dict[str, Any]]:
+    """The stream's rows as dicts, in order. A ``datasets`` stream is read ``batch_size`` rows at a time: row by row
+    it formats every row as a table of its own, which took twice the time (15 against 7 us a row on 2 cores) in
+    the main process that bounds preparation. Anything else is iterated as it is."""
+    batches = getattr(stream, "iter", None)
+    if not callable(batches):
+        yield from stream
+        return
+    for batch in batches(batch_size=batch_size):
+        columns = list(batch)
+        for values in zip(*(batch[c] for c in columns), strict=True):
+            yield dict(zip(columns, values, strict=True))
 
 
 def tree_bytes(path: Path) -> int:
@@ -709,6 +726,8 @@ class _Preparation:
             "encoder_revision": self.identity["encoder_revision"],
             "dataset": self.data.source.describe(),
         }
+        self.manifest_lines = ManifestLines(spec.tokens_per_item, spec.feature_width, self.data.feature_dtype,
+                                            self.provenance)
         self.progress = progress
         self.referenced: dict[str, int] = {}  # shard name -> bytes
         self.manifest_bytes = 0
@@ -788,7 +807,7 @@ class _Preparation:
         """Rows in stream order with their text checked; an error is kept with its row, raised when the run
         reaches it (rows read ahead for the decode workers must not change what is reported, or when)."""
         cols = self.data.columns
-        rows = iter(itertools.islice(stream, self.data.scan_cap))
+        rows = iter(itertools.islice(stream_rows(stream), self.data.scan_cap))
         for position in itertools.count():
             with self.clock("scan"):  # reading the stream and checking the row's text
                 raw = next(rows, None)
@@ -848,7 +867,7 @@ class _Preparation:
 
     def valid_rows(self, stream: Iterable[Mapping[str, Any]], pool: Executor | None = None) -> Iterator[_PendingRow]:
         """Selected rows in stream order; invalid rows are raised or skipped, never given an ordinal."""
-        ordinal = 0
+        ordinal, needed = 0, self.data.rows_needed  # a property over the partitions: read once, not per row
         for row, measured, media in self.decoded_rows(self.scanned_rows(stream), pool):
             self.rows_scanned = row.position + 1
             partition = self.data.partition_of(ordinal)  # the one this row takes if it is valid
@@ -873,7 +892,7 @@ class _Preparation:
                 yield _PendingRow(row.id, row.position, partition.name, row.messages, items, hashes, row.extra)
             else:
                 self.rows_unassigned += 1
-            if ordinal >= self.data.rows_needed:
+            if ordinal >= needed:
                 break
         if ordinal < self.data.rows_needed:
             short = [p.name for p in self.data.partitions if p.end > ordinal]
@@ -943,26 +962,16 @@ class _Preparation:
         path = self.cache_dir / name
         if name not in self.referenced:  # the shard and its sha256 sidecar are both retained
             self.referenced[name] = path.stat().st_size + shard_digest_path(path).stat().st_size
-        index = 0
+        index, lines = 0, []
         for row in rows:
-            keys = tuple(FeatureKey(name, index + j, digest) for j in range(len(row.hashes)))
+            keys = [FeatureKey(name, index + j, digest) for j in range(len(row.hashes))]
             index += len(row.hashes)
-            self.items_written += len(row.hashes)
-            record = ManifestRow(
-                id=row.id,
-                partition=row.partition,
-                messages=tuple(row.messages),
-                features=keys,
-                tokens=self.spec.tokens_per_item,
-                width=self.spec.feature_width,
-                dtype=self.data.feature_dtype,
-                provenance=self.provenance,
-                extra=row.extra,
-            ).as_json()
-            line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
-            manifest.write(line)
-            self.manifest_bytes += len(line.encode())
+            lines.append(self.manifest_lines.line(row.id, row.partition, row.messages, keys, row.extra))
             self.rows_written[row.partition] += 1
+        self.items_written += index
+        text = "".join(lines)
+        manifest.write(text)
+        self.manifest_bytes += len(text.encode())
         self.check_retained(0, f"after shard {name}")
 
     def batch(self, items: list[Any]) -> Any:
