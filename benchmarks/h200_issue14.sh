@@ -45,6 +45,12 @@
 #                                             # chunks): the GPU test and its mutation (no wait for the copy), stitch
 #                                             # prepare on 16k JPEGs serial / shipped / serial / shipped, encode only
 #   bash benchmarks/h200_issue14.sh round11b  # dense 4B and Qwen3.5-4B packed + stock in one process, 16 timed steps
+#   bash benchmarks/h200_issue14.sh prepare11c # the main process's per-row work cut (the stream read 256 rows at a
+#                                             # time, manifest lines with their shared fields serialised once): 64k
+#                                             # JPEGs with .bench-old/prepare.py (the previous prepare: `git show
+#                                             # bd7cd93:stitch/data/prepare.py > .bench-old/prepare.py`, untracked) and
+#                                             # the new one, alternating, then the new one under py-spy --gil; carry
+#                                             # .whl-demo, .whl-pydantic, .whl-pyspy
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -387,6 +393,23 @@ PY
     timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 16 --warmup 5 \
       --skip-parity --modes packed,stock --profile 1 --profile-modes packed --tag _round11b --out "$OUT" 2>&1 \
       | tee "$OUT/sft.log" | grep -E "(packed|stock): |dense /" | cut -c1-250
+    ;;
+  prepare11c)  # which thread holds the GIL while prepare runs (py-spy samples only those), and the per-row cut timed
+    install_datasets
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/spy .whl-pyspy/*.whl
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    cp stitch/data/prepare.py /tmp/prepare.py.new
+    for run in "old a" "new a" "old b" "new b"; do
+      set -- $run
+      cp "$([ "$1" = old ] && echo .bench-old/prepare.py || echo /tmp/prepare.py.new)" stitch/data/prepare.py
+      timeout 100 python3 benchmarks/prepare_stitch.py --images 65536 --skip-encode \
+        --name "prepare_stitch_round11c_65536_$1_$2" --out "$OUT" 2>&1 | grep -E "^prepare|Error" | cut -c1-330
+    done
+    cp /tmp/prepare.py.new stitch/data/prepare.py
+    timeout $((290 - SECONDS)) /tmp/spy/bin/py-spy record --gil --threads --nonblocking -r 250 -f raw \
+      -o "$OUT/prepare_65536_gil.txt" -- python3 benchmarks/prepare_stitch.py --images 65536 --skip-encode \
+      --name prepare_stitch_round11c_65536_pyspy --out "$OUT" 2>&1 | grep -E "^prepare|Error|py-spy" | cut -c1-330
     ;;
   prepare10b)  # prepare10 with the worker tasks at 64 rows (16 before: fewer hand-overs for the main process, which
     # bounded prepare10's steady state at ~0.36 ms a row); a 2,048-image run first warms the machine (prepare10's
