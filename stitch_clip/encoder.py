@@ -252,7 +252,7 @@ class ClipImageEncoder:
     @torch.no_grad()  # not inference_mode: its tensors could not flow into a trainable projector
     def encode(self, items: list[Any] | torch.Tensor) -> torch.Tensor:
         if isinstance(items, torch.Tensor) and items.dtype == torch.uint8:
-            if self.pipeline_chunk is None or items.device == self.device:
+            if self.pipeline_chunk is None or self.device.type != "cuda" or items.is_cuda or not len(items):
                 patches = self._run(self.normalise(items))
             else:
                 parts = [self._run(self.normalise(on_device)) for on_device in
