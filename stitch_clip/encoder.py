@@ -268,12 +268,9 @@ class ClipImageEncoder:
         return patches
 
     def _copied_ahead(self, chunks: tuple[torch.Tensor, ...]) -> Iterator[torch.Tensor]:
-        """Each host chunk on the encoder's device, in order. On a GPU the next chunk's copy is queued on a side
-        stream before this one is handed over, so it runs while the caller encodes this one; the compute stream
-        waits for a chunk's copy before using it, and the allocator keeps the chunk until that use is done."""
-        if self.device.type != "cuda":
-            yield from (chunk.to(self.device) for chunk in chunks)
-            return
+        """Each host chunk on the encoder's GPU, in order: the next chunk's copy is queued on a side stream before
+        this one is handed over, so it runs while the caller encodes this one; the compute stream waits for a
+        chunk's copy before using it, and the allocator keeps the chunk until that use is done."""
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         side, compute = self._copy_stream, torch.cuda.current_stream(self.device)

@@ -894,7 +894,7 @@ class _Preparation:
                 self.rows_unassigned += 1
             if ordinal >= needed:
                 break
-        if ordinal < self.data.rows_needed:
+        if ordinal < needed:
             short = [p.name for p in self.data.partitions if p.end > ordinal]
             limit = (
                 f"the scan cap (data.scan_cap={self.data.scan_cap})"
@@ -904,7 +904,7 @@ class _Preparation:
             skips = f" Skipped by reason: {describe_skips(self.skipped)}." if self.skipped else ""
             raise PrepareError(
                 f"found {ordinal} valid rows before {limit} ({self.rows_scanned} scanned, {len(self.skipped)} "
-                f"skipped); partitions {short} need {self.data.rows_needed}.{skips} Every skipped row and its "
+                f"skipped); partitions {short} need {needed}.{skips} Every skipped row and its "
                 f"reason: {self.out_dir / REPORT_NAME}. Raise data.scan_cap, use a larger source, fix the rows, "
                 f"or shrink the partitions"
             )
