@@ -687,7 +687,7 @@ def host_profile_steps(one_step, steps: int, top: int = 40) -> dict:
     """cProfile over ``steps`` more steps, each synced at its end: where the *host's* time goes, per step, by
     function (own time and cumulative) and by package. The device profile above cannot show this: a host-bound
     step's gap is Python (fla's and Triton's launchers, autograd, wrappers) between kernel launches. cProfile
-    slows Python-heavy code, so read the shares, not the absolute times; ``wall_s_per_step`` is under cProfile."""
+    slows Python-heavy code, so read the shares, not the absolute times (``wall_ms_per_step_under_cprofile``)."""
     import cProfile
     import pstats
 

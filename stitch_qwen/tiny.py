@@ -85,12 +85,18 @@ def build_qwen35_moe_tiny(out_dir: Path) -> None:
     )
 
 
-def build_qwen35_demo(out_dir: Path) -> None:
-    """The demo base: Qwen3_5ForCausalLM with full-attention layers only (packable on every backend),
-    pre-trained on task-style chat text so LoRA + projector can learn in minutes on a CPU."""
+def write_qwen35_demo_init(out_dir: Path) -> None:
+    """The demo base before its pre-training: Qwen3_5ForCausalLM with full-attention layers only (packable on every
+    backend), seeded."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+    write_snapshot(out_dir, Qwen3_5TextConfig, Qwen3_5ForCausalLM, layer_types=["full_attention"] * 2)
+
+
+def build_qwen35_demo(out_dir: Path) -> None:
+    """The demo base: ``write_qwen35_demo_init``, pre-trained on task-style chat text so LoRA + projector can learn
+    in minutes on a CPU."""
     from stitch.api import pretrain_in_place
 
-    write_snapshot(out_dir, Qwen3_5TextConfig, Qwen3_5ForCausalLM, layer_types=["full_attention"] * 2)
+    write_qwen35_demo_init(out_dir)
     pretrain_in_place(out_dir, SENTINELS.tokens, steps=300, batch_size=32)

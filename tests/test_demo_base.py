@@ -29,18 +29,17 @@ def build_fresh(spec, tmp_path: Path, label: str) -> Path:
 
 
 def test_demo_base_pretraining_writes_identical_weights_again_under_another_thread_count(tmp_path):
-    """The demo base is ``write_snapshot`` (seeded; ``test_tiny_preset_builds_to_identical_bytes_twice`` holds it to
-    its bytes) followed by ``pretrain_in_place``. This holds the second to the same bytes under two caller thread
-    counts, on a short run of the builder's own code: a second full 300-step build cost ~100 s of CI on 2 cores."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
+    """The demo base is ``write_qwen35_demo_init`` (seeded ``write_snapshot``, which
+    ``test_tiny_preset_builds_to_identical_bytes_twice`` holds to its bytes) followed by ``pretrain_in_place``. This
+    holds the second to the same bytes under two caller thread counts, on a short run of the builder's own code: a
+    second full 300-step build cost ~100 s of CI on 2 cores."""
     from stitch.demo.pretrain import pretrain_in_place
     from stitch_qwen.sentinels import SENTINELS
-    from stitch_qwen.tiny import write_snapshot
+    from stitch_qwen.tiny import write_qwen35_demo_init
 
     init = tmp_path / "init"
     init.mkdir()
-    write_snapshot(init, Qwen3_5TextConfig, Qwen3_5ForCausalLM, layer_types=["full_attention"] * 2)
+    write_qwen35_demo_init(init)
     threads = torch.get_num_threads()
     built = {}
     try:
