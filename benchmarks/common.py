@@ -85,6 +85,20 @@ def peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2)
 
 
+def profile_once(fn, top: int = 25) -> dict:
+    """One call of ``fn`` under torch.profiler: device milliseconds in all and by kernel (top ``top``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.self_device_time_total / 1000, e.count) for e in prof.key_averages()
+               if e.self_device_time_total > 0]
+    kernels.sort(key=lambda k: -k[1])
+    return {"device_ms": round(sum(k[1] for k in kernels), 2),
+            "top_kernels_ms": [[k[:110], round(ms, 3), n] for k, ms, n in kernels[:top]]}
+
+
 def write_result(name: str, payload: dict[str, Any], out_dir: str | Path | None = None) -> Path:
     """Write ``payload`` (plus machine info and the command line) to ``<out_dir>/<name>.json``."""
     out = Path(out_dir) if out_dir else RESULTS_DIR

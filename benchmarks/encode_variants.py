@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import log, now, peak_gib, reset_peak, write_result  # noqa: E402
+from benchmarks.common import log, now, peak_gib, profile_once, reset_peak, write_result  # noqa: E402
 from benchmarks.prepare_stitch import build_b32_random  # noqa: E402
 
 
@@ -96,19 +96,6 @@ def to_fp8(model) -> int:
             m.fc1, m.fc2 = Fp8Linear(m.fc1.weight, m.fc1.bias), Fp8Linear(m.fc2.weight, m.fc2.bias)
             n += 2
     return n
-
-
-def profile_once(fn, top: int = 25) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [(e.key, e.self_device_time_total / 1000, e.count) for e in prof.key_averages()
-               if e.self_device_time_total > 0]
-    kernels.sort(key=lambda k: -k[1])
-    return {"device_ms": round(sum(k[1] for k in kernels), 2),
-            "top_kernels_ms": [[k[:110], round(ms, 3), n] for k, ms, n in kernels[:top]]}
 
 
 def main() -> None:

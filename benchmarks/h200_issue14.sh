@@ -51,6 +51,19 @@
 #                                             # bd7cd93:stitch/data/prepare.py > .bench-old/prepare.py`, untracked) and
 #                                             # the new one, alternating, then the new one under py-spy --gil; carry
 #                                             # .whl-demo, .whl-pydantic, .whl-pyspy
+#   bash benchmarks/h200_issue14.sh prepare12 # encode only: uint8 normalised inside the compiled tower, chunks written
+#                                             # in place, against .bench-old/encoder.py (`git show 47f4025:stitch_clip/
+#                                             # encoder.py`, untracked) in the same process; sdpa's backends, eager
+#                                             # attention, CUDA graphs, 2,048-image chunks; each variant profiled; carry
+#                                             # .whl-demo, .whl-pydantic
+#   bash benchmarks/h200_issue14.sh prepare12b # prepare12's sdpa variants again, each traced afresh (prepare12 reused
+#                                             # one graph for all: dynamo does not guard on sdpa's backend switches),
+#                                             # q/k/v as one GEMM; then stitch prepare on 65,536 JPEGs with the
+#                                             # workers' shared slots and without (--no-slots), alternating
+#   bash benchmarks/h200_issue14.sh prepare12c # sdpa's flash and efficient kernels against cuDNN's, eager and compiled
+#                                             # (compiled ones with inductor's graph caches off: prepare12b's still
+#                                             # reused one compiled graph); stitch prepare on 16,384 JPEGs twice
+#   bash benchmarks/h200_issue14.sh prepare12d # prepare12c's encode part alone (its run stopped on a benchmark bug)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -393,6 +406,52 @@ PY
     timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 16 --warmup 5 \
       --skip-parity --modes packed,stock --profile 1 --profile-modes packed --tag _round11b --out "$OUT" 2>&1 \
       | tee "$OUT/sft.log" | grep -E "(packed|stock): |dense /" | cut -c1-250
+    ;;
+  prepare12)  # where the compiled encoder's non-GEMM time goes, and which attention kernel suits 50-token rows
+    install_datasets
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 \
+      --profile-encode --prev-encoder .bench-old/encoder.py --variants stitch_eager_prev,stitch_eager,\
+stitch_compile_prev,stitch_compile,stitch_compile_flash,stitch_compile_efficient,stitch_compile_cudnn,\
+stitch_compile_eager_attn,stitch_compile_math,stitch_compile_chunk2048,stitch_reduce_overhead \
+      --name prepare_stitch_round12_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" | grep -E "^encode|Error" \
+      | cut -c1-300
+    ;;
+  prepare12b)  # the attention kernels for 50-token rows measured for real, and the shared slots against segments
+    install_datasets
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    timeout 240 python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 \
+      --profile-encode --prev-encoder .bench-old/encoder.py --variants stitch_compile_prev,stitch_compile,\
+stitch_compile_flash,stitch_compile_efficient,stitch_compile_cudnn,stitch_compile_qkv,stitch_compile_qkv_flash,\
+stitch_compile_qkv_efficient --name prepare_stitch_round12b_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" \
+      | grep -E "^encode|Error" | cut -c1-300
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "slots a" "segments a" "slots b" "segments b"; do
+      set -- $run
+      [ $SECONDS -gt 520 ] && break
+      timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 --skip-encode \
+        $([ "$1" = segments ] && echo --no-slots) --name "prepare_stitch_round12b_65536_$1_$2" --out "$OUT" 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-330
+    done
+    ;;
+  prepare12c|prepare12d)  # the attention kernels for 50-token rows, each variant compiled afresh; prepare at 16k
+    install_datasets
+    timeout 300 python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 --profile-encode \
+      --variants stitch_eager,stitch_eager_flash,stitch_eager_efficient,stitch_compile,stitch_compile_flash,\
+stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#prepare}_encode" --out "$OUT" 2>&1 \
+      | tee "$OUT/encode.log" | grep -E "^encode|Error" | cut -c1-300
+    if [ "$1" = prepare12c ]; then
+      timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+        > /dev/null 2>&1
+      for run in a b; do
+        [ $SECONDS -gt 540 ] && break
+        timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 --skip-encode \
+          --name "prepare_stitch_round12c_16384_$run" --out "$OUT" 2>&1 | grep -E "^prepare|Error" | cut -c1-330
+      done
+    fi
     ;;
   prepare11c)  # which thread holds the GIL while prepare runs (py-spy samples only those), and the per-row cut timed
     install_datasets

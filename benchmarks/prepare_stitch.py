@@ -31,6 +31,7 @@ dropped, uint8 pixels normalised on the device) over the real clip-vit-base-patc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import io
 import json
@@ -39,12 +40,13 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import log, now, peak_gib, reset_peak, write_result  # noqa: E402
+from benchmarks.common import log, now, peak_gib, profile_once, reset_peak, write_result  # noqa: E402
 
 ENCODER = "clip-b32-random"
 
@@ -257,7 +259,7 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         "compiled": recipe.data.prepare.compiles(device, n), "encode_batch_size": recipe.data.encode_batch_size,
         "shard_rows": recipe.data.shard_rows, "retained_mib": round(report.retained_bytes / 2**20, 1),
         "phase_seconds": getattr(report, "phase_seconds", None), "worker_seconds": getattr(report, "worker_seconds", None),
-        "main_cpu_s": round(cpu, 2),
+        "main_cpu_s": round(cpu, 2), "media_chunks": getattr(report, "media_chunks", None),
         "model_tokenizer_ready_s": round(model_ready_s, 2),
         "model_tokenizer_note": "building (fresh machine) or loading the recipe model's tokenizer once before the "
                                 "timed call, as a user's model is downloaded before `stitch prepare`; not included",
@@ -335,12 +337,28 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
         pixels = stock_pixels.repeat((batch + len(raws) - 1) // len(raws), 1, 1, 1)[:batch]
         return stock(pixel_values=pixels.to(device, dtype), output_hidden_states=True).hidden_states[-2][:, 1:]
 
-    # name -> torch.compile mode (None: eager), and whether the batch goes to the GPU in ``pipeline_chunk`` chunks
-    # copied on a side stream (shipped) or as one copy followed by the tower (``_serial``, the previous order)
-    variants = {"stitch_eager": (None, True), "stitch_eager_serial": (None, False),
-                "stitch_compile": ("default", True), "stitch_compile_serial": ("default", False),
-                "stitch_reduce_overhead": ("reduce-overhead", True), "stitch_max_autotune": ("max-autotune", True),
-                "stitch_channels_last": ("channels_last", True)}
+    # name -> torch.compile mode (None: eager), whether the batch goes to the GPU in ``pipeline_chunk`` chunks
+    # copied on a side stream (shipped) or as one copy followed by the tower (``_serial``, the previous order), and
+    # options: ``sdpa`` restricts sdpa to one backend, ``attn`` sets transformers' attention implementation, ``prev``
+    # builds the encoder from ``--prev-encoder`` (an older stitch_clip/encoder.py) for a same-run baseline
+    variants = {"stitch_eager": (None, True, {}), "stitch_eager_serial": (None, False, {}),
+                "stitch_compile": ("default", True, {}), "stitch_compile_serial": ("default", False, {}),
+                "stitch_reduce_overhead": ("reduce-overhead", True, {}),
+                "stitch_max_autotune": ("max-autotune", True, {}),
+                "stitch_channels_last": ("channels_last", True, {}),
+                "stitch_eager_prev": (None, True, {"prev": True}),
+                "stitch_compile_prev": ("default", True, {"prev": True}),
+                "stitch_eager_flash": (None, True, {"sdpa": "FLASH_ATTENTION"}),
+                "stitch_eager_efficient": (None, True, {"sdpa": "EFFICIENT_ATTENTION"}),
+                "stitch_compile_flash": ("default", True, {"sdpa": "FLASH_ATTENTION"}),
+                "stitch_compile_efficient": ("default", True, {"sdpa": "EFFICIENT_ATTENTION"}),
+                "stitch_compile_cudnn": ("default", True, {"sdpa": "CUDNN_ATTENTION"}),
+                "stitch_compile_math": ("default", True, {"sdpa": "MATH"}),
+                "stitch_compile_eager_attn": ("default", True, {"attn": "eager"}),
+                "stitch_compile_chunk2048": ("default", True, {"chunk": 2048}),
+                "stitch_compile_qkv": ("default", True, {"qkv": True}),
+                "stitch_compile_qkv_flash": ("default", True, {"qkv": True, "sdpa": "FLASH_ATTENTION"}),
+                "stitch_compile_qkv_efficient": ("default", True, {"qkv": True, "sdpa": "EFFICIENT_ATTENTION"})}
     chosen = args.variants.split(",")
     for batch in args.batches:
         row: dict = {}
@@ -348,21 +366,47 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
         row["stock_transformers"] = {"images_per_s": round(ips, 1), "warmup_s": round(warm, 2), "peak_gib": peak_gib(),
                                      "note": "processor pixels precomputed (host float32 -> device), eager, full tower"}
         for name in chosen:
-            mode, pipelined = variants[name]
+            mode, pipelined, options = variants[name]
             if mode not in (None, "channels_last") and batch not in args.compile_batches:
                 continue
-            encoder = spec.load(spec.source, device, dtype)
+            encoder = prev_encoder(args.prev_encoder, spec, device, dtype) if options.get("prev") else \
+                spec.load(spec.source, device, dtype)
             if not pipelined:
                 encoder.pipeline_chunk = None
+            if "chunk" in options:
+                encoder.pipeline_chunk = options["chunk"]
+            if "attn" in options:
+                encoder.model.set_attn_implementation(options["attn"])
+            if options.get("qkv"):
+                attention_as_one_qkv_gemm(encoder.model)
             if mode == "channels_last":
                 encoder.model = encoder.model.to(memory_format=torch.channels_last)
             elif mode is not None:  # as ClipImageEncoder.compile does, with the mode
+                # a fresh trace and compile: dynamo does not guard on sdpa's backend switches, and inductor's FX
+                # graph cache keys the graph before sdpa picks its kernel, so a variant that differs only in them
+                # would run the previous variant's code (prepare12 and prepare12b did: cuDNN's kernel every time)
+                from torch._functorch import config as functorch_config
+                from torch._inductor import config as inductor_config
+
+                torch._dynamo.reset()
+                inductor_config.fx_graph_cache = "sdpa" not in options
+                functorch_config.enable_autograd_cache = "sdpa" not in options
                 encoder.compile(batch)
                 encoder._tower = torch.compile(encoder._patches, dynamic=False, mode=mode)
+            # sdpa restricted to one kernel around every call (a compiled variant's first call traces inside it)
+            backend = [getattr(torch.nn.attention.SDPBackend, options["sdpa"])] if "sdpa" in options else None
+            kernel = (lambda b=backend: torch.nn.attention.sdpa_kernel(b)) if backend else contextlib.nullcontext
+
+            def encode(b: int, e=encoder, kernel=kernel) -> torch.Tensor:
+                with kernel():
+                    return e.encode(uint8[:b])
+
             try:
-                ips, warm = timed(lambda b, e=encoder: e.encode(uint8[:b]), batch)
+                ips, warm = timed(encode, batch)
                 row[name] = {"images_per_s": round(ips, 1), "warmup_s": round(warm, 2), "peak_gib": peak_gib(),
-                             **compare(encoder.encode(uint8[: len(raws)]))}
+                             **compare(encode(len(raws)))}
+                if args.profile_encode and device.startswith("cuda"):
+                    row[name]["profile"] = profile_once(lambda b=batch: encode(b), top=16)
             except Exception as exc:  # a variant that does not build is reported, the others still run
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             del encoder
@@ -375,6 +419,59 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
             log(f"encode b{batch} {name:24s} {value.get('images_per_s', value.get('error'))}")
         results[str(batch)] = row
     return results
+
+
+class QkvAttention(torch.nn.Module):
+    """CLIP's attention with its q, k and v projections as one GEMM (``attention_as_one_qkv_gemm`` switches a
+    loaded ``CLIPAttention`` to it in place; the tower is frozen, so the three weights are concatenated once), then
+    sdpa on strided views of the product. The ``stitch_compile_qkv`` variants; not shipped: on the H200 cuBLAS ran
+    the fused [51,200 x 768] x [768 x 2,304] GEMM slower than the three it replaces (prepare12b, BENCHMARKS §0k)."""
+
+    num_heads: int
+    head_dim: int
+    scale: float
+    qkv: torch.nn.Linear
+    out_proj: torch.nn.Linear
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        b, s, _ = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scale)
+        return self.out_proj(out.transpose(1, 2).reshape(b, s, -1)), None
+
+
+def attention_as_one_qkv_gemm(model: Any) -> int:
+    """Switch every ``CLIPAttention`` of ``model`` to ``QkvAttention``; the number switched."""
+    switched = 0
+    for module in model.modules():
+        if type(module).__name__ != "CLIPAttention" or module.training:
+            continue
+        projections = (module.q_proj, module.k_proj, module.v_proj)
+        fused = torch.nn.Linear(module.embed_dim, 3 * module.embed_dim, device=module.q_proj.weight.device,
+                                dtype=module.q_proj.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in projections]))
+            fused.bias.copy_(torch.cat([p.bias for p in projections]))
+        del module.q_proj, module.k_proj, module.v_proj
+        module.qkv = fused.requires_grad_(False)
+        module.__class__ = type("CLIPQkvAttention", (QkvAttention, type(module)), {})
+        switched += 1
+    return switched
+
+
+def prev_encoder(path: str | None, spec, device: str, dtype: torch.dtype):
+    """The encoder as an older ``stitch_clip/encoder.py`` (``--prev-encoder``, e.g. ``git show REV:stitch_clip/
+    encoder.py > .bench-old/encoder.py``) builds it, from the same snapshot: the baseline of an encoder change, timed
+    in the same process."""
+    import importlib.util
+
+    if not path:
+        raise SystemExit("a _prev variant needs --prev-encoder")
+    module_spec = importlib.util.spec_from_file_location("prev_clip_encoder", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.load_clip(spec.source, device, dtype)
 
 
 def project(result: dict, workers: int) -> dict:
@@ -399,7 +496,9 @@ def main() -> None:
     ap.add_argument("--shard-rows", type=int, default=2048, help="data.shard_rows")
     ap.add_argument("--batches", default="1024,2048,4096", help="encode-only batch sizes")
     ap.add_argument("--variants", default="stitch_eager,stitch_eager_serial,stitch_compile,stitch_compile_serial",
-                    help="also: stitch_reduce_overhead, stitch_channels_last, stitch_max_autotune (minutes)")
+                    help="also: stitch_reduce_overhead, stitch_channels_last, stitch_max_autotune (minutes), "
+                    "stitch_{eager,compile}_prev (--prev-encoder), stitch_compile_{flash,efficient,cudnn,math} (sdpa "
+                    "restricted to one backend), stitch_compile_eager_attn, stitch_compile_chunk2048, stitch_compile_qkv[_flash,_efficient] (q, k, v as one GEMM)")
     ap.add_argument("--compile-batches", default="2048", help="batches at which compiled variants run (each "
                                                                 "compile costs tens of seconds)")
     ap.add_argument("--iters", type=int, default=20)
@@ -421,6 +520,11 @@ def main() -> None:
     ap.add_argument("--serial-copy", action="store_true", help="the encoder copies each batch to the GPU in one "
                     "piece before the tower runs (pipeline_chunk None): the baseline of the side-stream copy")
     ap.add_argument("--profile", action="store_true", help="cProfile prepare's main thread (top 25 by own time)")
+    ap.add_argument("--no-slots", action="store_true", help="the workers hand each chunk over as a shared-memory "
+                    "segment of its own (prepare before its shared slots): the baseline of the slots")
+    ap.add_argument("--profile-encode", action="store_true", help="each encode-only variant: one call under "
+                    "torch.profiler, device time by kernel")
+    ap.add_argument("--prev-encoder", default=None, help="an older stitch_clip/encoder.py, for the _prev variants")
     args = ap.parse_args()
     if args.cpu_pipeline:
         args.skip_encode, args.compile = True, "never"
@@ -440,6 +544,10 @@ def main() -> None:
 
         clip_encoder.TORCH_RESAMPLE.clear()  # every filter through resize_uint8's PIL branch
         clip_encoder.ClipGeometry.identity = "clip-uint8-draft/1"
+    if args.no_slots:
+        import stitch.data.prepare as prepare_module
+
+        prepare_module.media_slots = lambda *a, **k: None
     if args.serial_copy:  # for prepare's run; the encode-only variants set it per encoder
         from stitch_clip.encoder import ClipImageEncoder
 

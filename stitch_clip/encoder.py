@@ -223,7 +223,12 @@ class ClipImageEncoder:
         self._copy_stream: Any = None
 
     def _patches(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values=pixels).last_hidden_state[:, 1:, :]
+        """uint8 pixels on the device (normalised here: inside a compiled tower the rescale, normalisation, cast
+        and the patch embedding's unfold are one kernel, not five) or normalised ones -> patch features."""
+        if pixels.dtype == torch.uint8:
+            pixels = self.normalise(pixels)
+        # contiguous: compiled, the last residual add writes the patch rows directly; eager, one copy
+        return self.model(pixel_values=pixels).last_hidden_state[:, 1:, :].contiguous()
 
     def compile(self, batch_size: int) -> None:
         """``torch.compile`` the tower for batches of ``batch_size``, or of ``pipeline_chunk`` when that is smaller
@@ -253,11 +258,16 @@ class ClipImageEncoder:
     def encode(self, items: list[Any] | torch.Tensor) -> torch.Tensor:
         if isinstance(items, torch.Tensor) and items.dtype == torch.uint8:
             if self.pipeline_chunk is None or self.device.type != "cuda" or items.is_cuda or not len(items):
-                patches = self._run(self.normalise(items))
+                patches = self._run(items.to(self.device, non_blocking=True))
             else:
-                parts = [self._run(self.normalise(on_device)) for on_device in
-                         self._copied_ahead(items.split(self.compiled_batch or self.pipeline_chunk))]
-                patches = parts[0] if len(parts) == 1 else torch.cat(parts)
+                chunks = items.split(self.compiled_batch or self.pipeline_chunk)
+                out = None if len(chunks) == 1 else torch.empty(
+                    (len(items), TOKENS_PER_ITEM, self.feature_width), dtype=self.dtype, device=self.device)
+                at = 0
+                for on_device in self._copied_ahead(chunks):
+                    patches = self._run(on_device, None if out is None else out[at : at + len(on_device)])
+                    at += len(on_device)
+                patches = patches if out is None else out
         else:
             patches = self._run(self.pixels(items).to(self.device, self.dtype))
         if tuple(patches.shape[1:]) != (TOKENS_PER_ITEM, self.feature_width):
@@ -288,18 +298,26 @@ class ClipImageEncoder:
                 ahead = copy(chunks[index + 1])
             yield current
 
-    def _run(self, pixels: torch.Tensor) -> torch.Tensor:
+    def _run(self, pixels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tower's patch features of ``pixels`` (uint8 or already normalised, on the device), written into
+        ``out`` when given (each chunk's features land in place: no concatenation afterwards)."""
         step = self.compiled_batch
-        if step is None:
-            return self._tower(pixels)
-        out = []
+        if step is None or not len(pixels):  # the tower as it is, on the whole batch
+            features = self._tower(pixels)
+            return features if out is None else out.copy_(features)
         for start in range(0, pixels.shape[0], step):
             chunk = pixels[start : start + step]
             n = chunk.shape[0]
             if n < step:  # pad: every sample is computed independently, the padding rows are dropped
                 chunk = torch.cat([chunk, chunk.new_zeros((step - n, *chunk.shape[1:]))])
-            out.append(self._tower(chunk)[:n])
-        return torch.cat(out)
+            features = self._tower(chunk)[:n]
+            if out is None and n == pixels.shape[0]:
+                return features
+            if out is None:
+                out = features.new_empty((pixels.shape[0], *features.shape[1:]))
+            out[start : start + n] = features
+        assert out is not None
+        return out
 
 
 def load_clip(source: ModelSource, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
