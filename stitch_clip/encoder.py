@@ -156,8 +156,15 @@ class ClipGeometry:
 
     identity = "clip-uint8-draft/2"  # /2: torch's uint8 resize (within a level of /1's PIL resize)
 
+    item_dtype = torch.uint8
+
     def __init__(self, shortest_edge: int, crop: tuple[int, int], resample: int) -> None:
         self.shortest_edge, self.crop, self.resample = shortest_edge, crop, resample  # crop: (height, width)
+
+    @property
+    def item_shape(self) -> tuple[int, int, int]:
+        """The shape of every tensor this returns (prepare sizes its shared slots by it)."""
+        return (3, *self.crop)
 
     def __call__(self, value: Any) -> torch.Tensor:
         image = decode_image(value, min_short_side=self.shortest_edge)

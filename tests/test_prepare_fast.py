@@ -168,18 +168,38 @@ def test_padded_batches_of_a_compiled_encoder_give_the_unpadded_features(tiny):
     torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
 
 
-def test_shards_and_manifest_are_bitwise_equal_with_0_and_2_decode_workers(tmp_path, host_module):
-    snapshots = []
-    for workers in (0, 2):
-        root = tmp_path / f"w{workers}"
+def test_shards_and_manifest_are_bitwise_equal_with_0_and_2_decode_workers_through_slots_or_segments(
+        tmp_path, host_module, monkeypatch):
+    """In-process decode, workers writing into shared slots, and workers left with one slot for five chunks of 4
+    rows, one chunk ahead (the slot is taken again once a flushed shard's rows let go of it; a chunk that finds it
+    taken travels as a segment of its own): one output."""
+    import stitch.data.prepare as prep
+
+    def one_slot(preprocess, workers, shard_rows):
+        ring = media_slots(preprocess, workers, shard_rows)
+        return ring and prep.SharedSlots(1, ring.slot_bytes)
+
+    media_slots = prep.media_slots
+    snapshots, chunks = [], []
+    for workers, slots in ((0, None), (2, None), (2, 1)):
+        root = tmp_path / f"w{workers}-{slots}"
         root.mkdir()
+        if slots:
+            monkeypatch.setattr(prep, "media_slots", one_slot)
+            monkeypatch.setattr(prep, "MEDIA_CHUNK_ROWS", 4)
+            monkeypatch.setattr(prep, "chunks_ahead", lambda workers, shard_rows: 1)
         data = {"source": {"builtin": "counting-shapes", "rows": 20, "caption_rows": 4, "seed": 0},
                 "partitions": {"alignment": [0, 6], "train": [6, 20]}, "scan_cap": 24, "shard_rows": 5,
                 "encode_batch_size": 3, "prepare": {"workers": workers}}
         report = prepare(load_recipe(write_recipe(root, **data)), root / "out", host=host_module, progress=False)
         assert report.rows == {"alignment": 6, "train": 14} and report.shards_encoded == 4 + 1
         snapshots.append(dir_snapshot(root / "out"))
-    assert snapshots[0] == snapshots[1]
+        chunks.append(report.media_chunks)
+    assert snapshots[0] == snapshots[1] == snapshots[2]
+    assert chunks[0] == {"shared_slot": 0, "own_segment": 0}
+    assert chunks[1] == {"shared_slot": 1, "own_segment": 0}  # 20 rows: one chunk of 64
+    assert chunks[2]["shared_slot"] >= 2 and chunks[2]["own_segment"] >= 1  # the slot was reused, and ran out
+    assert sum(chunks[2].values()) == 5
 
 
 def test_hostile_rows_are_reported_identically_with_0_and_2_decode_workers(hostile, tmp_path, host_module):  # noqa: F811

@@ -44,6 +44,7 @@ from stitch.data.feature_cache import (
     verified_shard_digest,
     write_digest,
 )
+from stitch.data.shared_slots import SharedSlots, SlotRef
 from stitch.plugins.specs import EncoderSpec
 
 REPORT_NAME = "prepare-report.json"
@@ -112,6 +113,9 @@ class PrepareReport:
     # the decode work took, summed over chunks in whichever process ran them (worker seconds overlap each other)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     worker_seconds: dict[str, float] = field(default_factory=dict)
+    # how the decode workers' stacked media reached this process, in chunks: written into a shared slot mapped once
+    # per run, or as a shared-memory segment of its own (no slot free or none fits, or no item shape declared)
+    media_chunks: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_rows(self) -> int:
@@ -563,14 +567,19 @@ class MediaDecoder:
                 return "media-type", str(exc)
         return hashes, items
 
-    def rows(self, chunk: list[list[Any] | None]) -> tuple[list[Any], torch.Tensor | None]:
+    def rows(self, chunk: list[list[Any] | None], slots: SharedSlots | None = None,
+             slot: int | None = None) -> tuple[list[Any], torch.Tensor | SlotRef | None]:
         """Each row's result (None for a row given as None); with ``preprocess``, the rows' tensors are stacked
-        into one (one shared-memory transfer per chunk) and each good row holds its count instead of its items."""
+        into one (one shared-memory transfer per chunk; into ``slots``' slot ``slot`` when given and the stack
+        fits it) and each good row holds its count instead of its items."""
         results = [None if values is None else self.row(values) for values in chunk]
         if self.preprocess is None:
             return results, None
         tensors = [t for r in results if r is not None and isinstance(r[0], list) for t in r[1]]
-        stacked = torch.stack(tensors) if tensors else None
+        stacked: torch.Tensor | SlotRef | None = None
+        if tensors:
+            fits = slots is not None and slot is not None and slots.fits(tensors)
+            stacked = slots.stack_into(slot, tensors) if fits else torch.stack(tensors)  # type: ignore[union-attr]
         return [(r[0], len(r[1])) if r is not None and isinstance(r[0], list) else r for r in results], stacked
 
 
@@ -587,7 +596,8 @@ class RowDecoder:
     prompts: PromptCheck
     media: MediaDecoder
 
-    def rows(self, chunk: list[_RowJob]) -> tuple[list[Any], list[Any], torch.Tensor | None, tuple[float, float]]:
+    def rows(self, chunk: list[_RowJob], slots: SharedSlots | None = None,
+             slot: int | None = None) -> tuple[list[Any], list[Any], Any, tuple[float, float]]:
         """``(measured, media, stacked, (prompt_s, media_s))``: ``measure``'s answer per row, ``MediaDecoder.rows``'
         answer (None for a row whose conversation does not tokenize) and the seconds each part took."""
         started = time.perf_counter()
@@ -595,27 +605,28 @@ class RowDecoder:
                     for row_id, messages, extra, values in chunk]
         tokenized = time.perf_counter()
         media, stacked = self.media.rows([None if isinstance(m[-1], tuple) else job[3]
-                                          for m, job in zip(measured, chunk, strict=True)])
+                                          for m, job in zip(measured, chunk, strict=True)], slots, slot)
         return measured, media, stacked, (tokenized - started, time.perf_counter() - tokenized)
 
 
 _WORKER_DECODER: RowDecoder | None = None
+_WORKER_SLOTS: SharedSlots | None = None  # inherited through fork, never pickled
 
 
-def _init_media_worker(decoder: RowDecoder) -> None:
-    global _WORKER_DECODER
+def _init_media_worker(decoder: RowDecoder, slots: SharedSlots | None = None) -> None:
+    global _WORKER_DECODER, _WORKER_SLOTS
     with contextlib.suppress(Exception):  # Linux: a killed run takes its workers with it (they would wait forever)
         import ctypes
         import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     torch.set_num_threads(1)  # one decode per process; torch only stacks here
-    _WORKER_DECODER = decoder
+    _WORKER_DECODER, _WORKER_SLOTS = decoder, slots
 
 
-def _decode_chunk(chunk: list[_RowJob]) -> tuple[list[Any], list[Any], torch.Tensor | None, tuple[float, float]]:
+def _decode_chunk(chunk: list[_RowJob], slot: int | None = None) -> tuple[list[Any], list[Any], Any, tuple[float, float]]:
     assert _WORKER_DECODER is not None
-    return _WORKER_DECODER.rows(chunk)
+    return _WORKER_DECODER.rows(chunk, _WORKER_SLOTS, slot)
 
 
 def _unstack(results: list[Any], stacked: torch.Tensor | None) -> list[Any]:
@@ -636,22 +647,51 @@ def _unstack(results: list[Any], stacked: torch.Tensor | None) -> list[Any]:
     return out
 
 
-def media_pool(workers: int, decoder: RowDecoder) -> Executor | None:
+def fork_available() -> bool:
+    import multiprocessing
+
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def media_pool(workers: int, decoder: RowDecoder, slots: SharedSlots | None = None) -> Executor | None:
     """Worker processes for ``decoder``, started now; None for 0 (decode in this process). Forked where the
     platform can (as torch's DataLoader does: the workers never touch CUDA), so starting them costs milliseconds,
-    not imports, and they inherit the loaded tokenizer."""
+    not imports, and they inherit the loaded tokenizer and ``slots`` (only a forked worker can: ``slots`` needs
+    ``fork_available()``)."""
     if workers == 0:
         return None
     import torch.multiprocessing as mp  # its pickler hands tensors over in shared memory
 
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    method = "fork" if fork_available() else "spawn"
+    if slots is not None and method != "fork":
+        raise ValueError("shared slots reach the decode workers only through fork")
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context(method), initializer=_init_media_worker,
-                               initargs=(decoder,))
+                               initargs=(decoder, slots))
     pool.submit(int)  # a forking pool starts every worker at its first task: now, before the run starts threads
     return pool
 
 
 MEDIA_CHUNK_ROWS = 64  # rows per worker task: large enough to amortise the hand-over, small enough to pipeline
+
+
+def chunks_ahead(workers: int, shard_rows: int) -> int:
+    """Worker tasks in flight ahead of the row the run is at: a shard's rows, and at least 4 chunks per worker."""
+    return max(4 * workers, -(-shard_rows // MEDIA_CHUNK_ROWS))
+
+
+def media_slots(preprocess: Any, workers: int, shard_rows: int) -> SharedSlots | None:
+    """Shared slots for forked workers' chunks when ``preprocess`` declares its item shape, else None. Enough for
+    the chunks in flight, the shard being gathered and the one being encoded (a row's items stay in its chunk's
+    slot until the row's shard is encoded); a chunk that finds none free travels as its own segment."""
+    shape = getattr(preprocess, "item_shape", None)
+    if not workers or shape is None or not fork_available():
+        return None
+    dtype = getattr(preprocess, "item_dtype", torch.uint8)
+    count = chunks_ahead(workers, shard_rows) + 2 * -(-shard_rows // MEDIA_CHUNK_ROWS) + 2
+    try:
+        return SharedSlots.for_items(tuple(shape), dtype, MEDIA_CHUNK_ROWS, count)
+    except OSError:  # the mapping was refused (a strict overcommit limit): every chunk travels as its own segment
+        return None
 
 
 # -- shards ---------------------------------------------------------------------------------------------
@@ -745,6 +785,8 @@ class _Preparation:
         self._loading: Future | None = None  # the encoder, loading in a thread while the first rows decode
         self.writes: deque[tuple[str, list[_PendingRow], Future | str, int]] = deque()  # shards not yet in manifest
         self.writer: ThreadPoolExecutor | None = None
+        self.slots: SharedSlots | None = None
+        self.media_chunks = {"shared_slot": 0, "own_segment": 0}
 
     def load_encoder(self, warm: bool = False) -> Any:
         """The encoder; ``warm``: also run its optional ``warm_up(batch_size)`` (CUDA context, library handles and
@@ -829,17 +871,26 @@ class _Preparation:
         or ``(kind, reason)``; None when its conversation does not tokenize), both None after a text error, in
         stream order. Ahead of the row the run is at, a shard's rows (at least 4 chunks per worker) are decoding,
         so the workers keep busy while the main process encodes and writes a shard."""
-        window: deque[tuple[list[_ScannedRow], Any]] = deque()
+        window: deque[tuple[list[_ScannedRow], Any, int | None]] = deque()
         workers = getattr(pool, "_max_workers", 1)
-        ahead = 0 if pool is None else max(4 * workers, -(-self.data.shard_rows // MEDIA_CHUNK_ROWS))
+        ahead = 0 if pool is None else chunks_ahead(workers, self.data.shard_rows)
+        slots = self.slots if pool is not None else None
 
-        def done(chunk: list[_ScannedRow], pending: Any) -> Iterator[tuple[_ScannedRow, Any, Any]]:
+        def done(chunk: list[_ScannedRow], pending: Any, slot: int | None) -> Iterator[tuple[_ScannedRow, Any, Any]]:
             with self.clock("media_wait"):  # with 0 workers: the tokenizing and decoding themselves
                 answer = pending.result() if isinstance(pending, Future) else pending() if pending else None
             measured: Iterator[Any] = iter(())
             results: Iterator[Any] = iter(())
             if answer is not None:
                 counts, media, stacked, (prompt_s, media_s) = answer
+                if isinstance(stacked, SlotRef):
+                    stacked = slots.take(stacked)  # type: ignore[union-attr]
+                    self.media_chunks["shared_slot"] += 1
+                else:
+                    if slot is not None:  # nothing was written into it
+                        slots.release(slot)  # type: ignore[union-attr]
+                    if stacked is not None and pool is not None:
+                        self.media_chunks["own_segment"] += 1
                 self.worker_seconds["prompt"] += prompt_s
                 self.worker_seconds["media"] += media_s
                 measured, results = iter(counts), iter(_unstack(media, stacked))
@@ -849,19 +900,21 @@ class _Preparation:
         try:
             while chunk := list(itertools.islice(rows, MEDIA_CHUNK_ROWS)):
                 todo = [(row.id, row.messages, row.extra, row.values) for row in chunk if row.error is None]
+                slot = None
                 if not todo:
                     pending = None
                 elif pool is None:
                     pending = functools.partial(self.decoder.rows, todo)  # decoded when the run reaches it
                 else:
-                    pending = pool.submit(_decode_chunk, todo)
-                window.append((chunk, pending))
+                    slot = slots.acquire() if slots is not None else None
+                    pending = pool.submit(_decode_chunk, todo, slot)
+                window.append((chunk, pending, slot))
                 while len(window) > ahead:
                     yield from done(*window.popleft())
             while window:
                 yield from done(*window.popleft())
         finally:
-            for _, pending in window:  # the run stopped early (enough rows, or an error): drop what is ahead
+            for _, pending, _ in window:  # the run stopped early (enough rows, or an error): drop what is ahead
                 if isinstance(pending, Future):
                     pending.cancel()
 
@@ -1023,7 +1076,9 @@ class _Preparation:
         with self.clock("startup"):
             with self.clock("workers_start"):
                 # the workers start before any thread of this run (tqdm, the writer, the encoder's loader)
-                pool = media_pool(self.data.prepare.worker_count, self.decoder)
+                workers = self.data.prepare.worker_count
+                self.slots = media_slots(self.preprocess, workers, self.data.shard_rows)
+                pool = media_pool(workers, self.decoder, self.slots)
             self.writer = ThreadPoolExecutor(1, thread_name_prefix="stitch-shard-writer")
             self.preload_encoder()
         try:
@@ -1075,6 +1130,7 @@ class _Preparation:
                         "recipe_sha256": self.recipe.digest},
             phase_seconds=self.clock.report(),
             worker_seconds={k: round(v, 4) for k, v in self.worker_seconds.items()},
+            media_chunks=dict(self.media_chunks),
         )
         _write_json_atomic(self.out_dir / REPORT_NAME, dataclasses.asdict(report))
         return report

@@ -85,7 +85,9 @@ class EncoderSpec:
     (decode + resize to what the encoder consumes, e.g. uint8 pixels), or None where the snapshot's preprocessing
     has no such form. ``stitch prepare`` runs it in worker processes and hands ``encode`` the stacked batch
     (a Tensor [B, ...] instead of a list of decoded items); its ``identity`` string joins the shard keys, so a
-    change of preprocessing never reuses features made the old way. The loaded encoder may offer
+    change of preprocessing never reuses features made the old way. A preprocess that declares ``item_shape``
+    (and ``item_dtype``, default uint8) lets forked workers write their stacked chunks into shared slots mapped
+    once per run (``stitch.data.shared_slots``) instead of a shared-memory segment each. The loaded encoder may offer
     ``compile(batch_size)`` (``data.prepare.compile``) and ``warm_up(batch_size)`` (prepare's loader thread runs
     it after ``load``, while the first shard decodes, so the first encode does not pay for device set-up).
     """

@@ -1,0 +1,88 @@
+"""A fixed ring of shared-memory slots that prepare's forked decode workers write a chunk's stacked media into.
+
+Why: a tensor a worker returns through ``torch.multiprocessing`` travels as a shared-memory segment of its own:
+the worker creates and maps it, the main process receives its descriptor and maps it, and freeing the chunk's rows
+unmaps it with the interpreter lock held. On the H200's 16-vCPU host those unmaps took ~1.9 ms a chunk, ~1.9 s of a
+65,536-image run's main thread (BENCHMARKS.md §0j). Here one anonymous shared mapping is made before the workers
+fork (they inherit it): a worker writes into the slot its task names and returns the slot's number, and the main
+process reads a view of the same pages. Nothing is mapped or unmapped per chunk.
+
+A slot is free again once every tensor viewing it is gone (a ``weakref.finalize`` on the numpy array the views are
+built on), so the rows' own lifetimes decide, with no bookkeeping in the run. A chunk that finds no free slot, or
+that does not fit one, travels the ``torch.multiprocessing`` way: the ring only ever saves work.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """What a worker returns in place of a stacked tensor it wrote into slot ``index``."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class SharedSlots:
+    """``count`` slots of ``slot_bytes`` each in one anonymous ``MAP_SHARED`` mapping; make it before forking."""
+
+    def __init__(self, count: int, slot_bytes: int) -> None:
+        if count < 1 or slot_bytes < 1:
+            raise ValueError(f"a slot ring needs at least one slot of one byte, got {count} x {slot_bytes}")
+        self.count, self.slot_bytes = count, slot_bytes
+        self.buffer = mmap.mmap(-1, count * slot_bytes)  # pages are committed only when first written
+        self._free = list(range(count - 1, -1, -1))  # a stack: the most recently freed slot's pages are warm
+        self.handed_out = 0  # chunks that travelled through a slot (for reports and tests)
+
+    @classmethod
+    def for_items(cls, item_shape: tuple[int, ...], dtype: torch.dtype, items_per_slot: int,
+                  count: int) -> SharedSlots:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return cls(count, items_per_slot * math.prod(item_shape) * itemsize)
+
+    # -- the main process ---------------------------------------------------------------------------
+    def acquire(self) -> int | None:
+        """A free slot's number, now reserved for one task, or None when every slot is in use."""
+        return self._free.pop() if self._free else None
+
+    def release(self, index: int) -> None:
+        """Give back a slot whose task wrote nothing into it."""
+        self._free.append(index)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, ref: SlotRef) -> torch.Tensor:
+        """The tensor a worker wrote into ``ref.index``, viewed in place; the slot is free again once this tensor
+        and every view of it are gone."""
+        nbytes = math.prod(ref.shape) * torch.empty((), dtype=ref.dtype).element_size()
+        array = np.frombuffer(self.buffer, dtype=np.uint8, count=nbytes, offset=ref.index * self.slot_bytes)
+        weakref.finalize(array, self._free.append, ref.index)
+        self.handed_out += 1
+        return torch.from_numpy(array).view(ref.dtype).view(ref.shape)
+
+    # -- a worker -----------------------------------------------------------------------------------
+    def fits(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` stacked fill at most one slot (same shape and dtype, bytes within a slot)."""
+        first = tensors[0]
+        same = all(t.shape == first.shape and t.dtype == first.dtype for t in tensors)
+        return same and len(tensors) * first.numel() * first.element_size() <= self.slot_bytes
+
+    def stack_into(self, index: int, tensors: list[torch.Tensor]) -> SlotRef:
+        """``torch.stack(tensors)`` written straight into slot ``index`` (call ``fits`` first)."""
+        first = tensors[0]
+        shape = (len(tensors), *first.shape)
+        nbytes = math.prod(shape) * first.element_size()
+        flat = torch.frombuffer(self.buffer, dtype=torch.uint8, count=nbytes, offset=index * self.slot_bytes)
+        torch.stack(tensors, out=flat.view(first.dtype).view(shape))
+        return SlotRef(index, tuple(shape), first.dtype)
