@@ -64,6 +64,9 @@
 #                                             # (compiled ones with inductor's graph caches off: prepare12b's still
 #                                             # reused one compiled graph); stitch prepare on 16,384 JPEGs twice
 #   bash benchmarks/h200_issue14.sh prepare12d # prepare12c's encode part alone (its run stopped on a benchmark bug)
+#   bash benchmarks/h200_issue14.sh prepare12e # the final code: the side-stream GPU test and its mutation, encode only
+#                                             # against .bench-old/encoder.py (eager and compiled), stitch prepare on
+#                                             # 65,536 JPEGs once
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -452,6 +455,24 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
           --name "prepare_stitch_round12c_16384_$run" --out "$OUT" 2>&1 | grep -E "^prepare|Error" | cut -c1-330
       done
     fi
+    ;;
+  prepare12e)  # the round's final code on the GPU: its test (and the mutation it must catch), encode, prepare
+    install_datasets
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    cp stitch_clip/encoder.py /tmp/encoder.py.keep
+    sed -i '/compute.wait_stream(side)/d' stitch_clip/encoder.py  # the tower no longer waits for its chunk's copy
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
+      | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
+    cp /tmp/encoder.py.keep stitch_clip/encoder.py
+    timeout 240 python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 \
+      --prev-encoder .bench-old/encoder.py --variants stitch_eager_prev,stitch_eager,stitch_compile_prev,stitch_compile \
+      --name prepare_stitch_round12e_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" | grep -E "^encode|Error" \
+      | cut -c1-300
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    [ $SECONDS -lt 480 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
+      --skip-encode --name prepare_stitch_round12e_65536 --out "$OUT" 2>&1 | grep -E "^prepare|Error" | cut -c1-330
     ;;
   prepare11c)  # which thread holds the GIL while prepare runs (py-spy samples only those), and the per-row cut timed
     install_datasets
