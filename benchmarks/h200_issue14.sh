@@ -85,6 +85,16 @@ install_datasets() {
   python3 -c "import huggingface_hub as h, sys; sys.exit(tuple(map(int, h.__version__.split('.')[:2])) < (1, 31))" \
     || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/hub/*.whl
 }
+# the encoder's side-stream GPU test, then again with the tower no longer waiting for its chunk's copy (must fail)
+side_stream_test_and_mutation() {
+  timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+  cp stitch_clip/encoder.py /tmp/encoder.py.keep
+  sed -i '/compute.wait_stream(side)/d' stitch_clip/encoder.py
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
+    | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
+  cp /tmp/encoder.py.keep stitch_clip/encoder.py
+}
 # stitch prepare (prepare only) on 16,384 JPEGs with torch's resize and PIL's, then 65,536 with torch's; results named
 # prepare_stitch_<tag>_<images>_<resize>
 prepare_torch_and_pil() {
@@ -382,13 +392,7 @@ PY
   prepare11b)  # prepare11's one run each was inconclusive for prepare (the shipped run came first, and every phase
     # of the serial run was faster); here the two alternate after one warm-up, and the side stream holds every copy
     install_datasets
-    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
-      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
-    cp stitch_clip/encoder.py /tmp/encoder.py.keep
-    sed -i '/compute.wait_stream(side)/d' stitch_clip/encoder.py  # the tower no longer waits for its chunk's copy
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
-      | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
-    cp /tmp/encoder.py.keep stitch_clip/encoder.py
+    side_stream_test_and_mutation
     timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
       > /dev/null 2>&1
     for run in "16384 serial a" "16384 shipped a" "16384 serial b" "16384 shipped b"; do
@@ -458,13 +462,7 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     ;;
   prepare12e)  # the round's final code on the GPU: its test (and the mutation it must catch), encode, prepare
     install_datasets
-    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
-      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
-    cp stitch_clip/encoder.py /tmp/encoder.py.keep
-    sed -i '/compute.wait_stream(side)/d' stitch_clip/encoder.py  # the tower no longer waits for its chunk's copy
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
-      | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
-    cp /tmp/encoder.py.keep stitch_clip/encoder.py
+    side_stream_test_and_mutation
     timeout 240 python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 \
       --prev-encoder .bench-old/encoder.py --variants stitch_eager_prev,stitch_eager,stitch_compile_prev,stitch_compile \
       --name prepare_stitch_round12e_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" | grep -E "^encode|Error" \

@@ -268,13 +268,14 @@ class ClipImageEncoder:
                 patches = self._run(items.to(self.device, non_blocking=True))
             else:
                 chunks = items.split(self.compiled_batch or self.pipeline_chunk)
+                # several chunks write into one output; a single chunk's features are the output
                 out = None if len(chunks) == 1 else torch.empty(
                     (len(items), TOKENS_PER_ITEM, self.feature_width), dtype=self.dtype, device=self.device)
                 at = 0
                 for on_device in self._copied_ahead(chunks):
-                    patches = self._run(on_device, None if out is None else out[at : at + len(on_device)])
+                    features = self._run(on_device, None if out is None else out[at : at + len(on_device)])
                     at += len(on_device)
-                patches = patches if out is None else out
+                patches = features if out is None else out
         else:
             patches = self._run(self.pixels(items).to(self.device, self.dtype))
         if tuple(patches.shape[1:]) != (TOKENS_PER_ITEM, self.feature_width):

@@ -38,10 +38,9 @@ class SharedSlots:
     def __init__(self, count: int, slot_bytes: int) -> None:
         if count < 1 or slot_bytes < 1:
             raise ValueError(f"a slot ring needs at least one slot of one byte, got {count} x {slot_bytes}")
-        self.count, self.slot_bytes = count, slot_bytes
+        self.slot_bytes = slot_bytes
         self.buffer = mmap.mmap(-1, count * slot_bytes)  # pages are committed only when first written
         self._free = list(range(count - 1, -1, -1))  # a stack: the most recently freed slot's pages are warm
-        self.handed_out = 0  # chunks that travelled through a slot (for reports and tests)
 
     @classmethod
     def for_items(cls, item_shape: tuple[int, ...], dtype: torch.dtype, items_per_slot: int,
@@ -58,17 +57,12 @@ class SharedSlots:
         """Give back a slot whose task wrote nothing into it."""
         self._free.append(index)
 
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
     def take(self, ref: SlotRef) -> torch.Tensor:
         """The tensor a worker wrote into ``ref.index``, viewed in place; the slot is free again once this tensor
         and every view of it are gone."""
         nbytes = math.prod(ref.shape) * torch.empty((), dtype=ref.dtype).element_size()
         array = np.frombuffer(self.buffer, dtype=np.uint8, count=nbytes, offset=ref.index * self.slot_bytes)
         weakref.finalize(array, self._free.append, ref.index)
-        self.handed_out += 1
         return torch.from_numpy(array).view(ref.dtype).view(ref.shape)
 
     # -- a worker -----------------------------------------------------------------------------------
