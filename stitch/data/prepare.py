@@ -674,9 +674,14 @@ def media_pool(workers: int, decoder: RowDecoder, slots: SharedSlots | None = No
 MEDIA_CHUNK_ROWS = 64  # rows per worker task: large enough to amortise the hand-over, small enough to pipeline
 
 
+def shard_chunks(shard_rows: int) -> int:
+    """Worker tasks (chunks of ``MEDIA_CHUNK_ROWS``) a shard's rows take."""
+    return -(-shard_rows // MEDIA_CHUNK_ROWS)
+
+
 def chunks_ahead(workers: int, shard_rows: int) -> int:
     """Worker tasks in flight ahead of the row the run is at: a shard's rows, and at least 4 chunks per worker."""
-    return max(4 * workers, -(-shard_rows // MEDIA_CHUNK_ROWS))
+    return max(4 * workers, shard_chunks(shard_rows))
 
 
 def media_slots(preprocess: Any, workers: int, shard_rows: int) -> SharedSlots | None:
@@ -687,7 +692,7 @@ def media_slots(preprocess: Any, workers: int, shard_rows: int) -> SharedSlots |
     if not workers or shape is None or not fork_available():
         return None
     dtype = getattr(preprocess, "item_dtype", torch.uint8)
-    count = chunks_ahead(workers, shard_rows) + 2 * -(-shard_rows // MEDIA_CHUNK_ROWS) + 2
+    count = chunks_ahead(workers, shard_rows) + 2 * shard_chunks(shard_rows) + 2
     try:
         return SharedSlots.for_items(tuple(shape), dtype, MEDIA_CHUNK_ROWS, count)
     except OSError:  # the mapping was refused (a strict overcommit limit): every chunk travels as its own segment
@@ -874,7 +879,7 @@ class _Preparation:
         window: deque[tuple[list[_ScannedRow], Any, int | None]] = deque()
         workers = getattr(pool, "_max_workers", 1)
         ahead = 0 if pool is None else chunks_ahead(workers, self.data.shard_rows)
-        slots = self.slots if pool is not None else None
+        slots = self.slots  # set only with workers: without a pool no chunk takes or returns a slot
 
         def done(chunk: list[_ScannedRow], pending: Any, slot: int | None) -> Iterator[tuple[_ScannedRow, Any, Any]]:
             with self.clock("media_wait"):  # with 0 workers: the tokenizing and decoding themselves
