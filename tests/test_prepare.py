@@ -212,6 +212,67 @@ def test_sigkilled_prepare_leaves_only_whole_shards_and_resumes_to_the_same_outp
     assert dir_snapshot(out) == dir_snapshot(reference)
 
 
+def _kill_at_second_rename(monkeypatch, suffix: str) -> list[Path]:
+    """The second shard's writer dies at the rename onto its ``*<suffix>`` file: ``.sha256`` kills it between
+    writing the sidecar's temp file and renaming it; ``.safetensors``, after the sidecar landed, before the shard.
+    Returns the renames' targets; the second is the one that never happened. (Run it with 0 decode workers: the
+    pool's bookkeeping reads the process id this changes.)"""
+    replace, seen = os.replace, []
+
+    def dying_replace(src, dst, *args, **kwargs):
+        if str(dst).endswith(suffix):
+            seen.append(dst)
+            if len(seen) == 2:
+                raise Killed
+        return replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", dying_replace)
+    killed_pid = os.getpid() + 1  # the resume runs in another process than the killed run: its temp names differ
+    monkeypatch.setattr(os, "getpid", lambda: killed_pid)
+    return seen
+
+
+@pytest.mark.parametrize("suffix", [".sha256", ".safetensors"])
+def test_a_run_killed_at_a_shard_or_sidecar_rename_resumes_to_the_reference_bytes(tmp_path, clip, host_module,
+                                                                                   monkeypatch, suffix):
+    """Whatever a killed writer left beside the whole shards (a sidecar's temp file, a sidecar whose shard never
+    landed) is gone or rewritten after the resume: the output equals an uninterrupted run's, file for file."""
+    recipe = load_recipe(write_recipe(tmp_path, prepare={"workers": 0}))
+    prepare(recipe, tmp_path / "reference", host=host_module, encoder=clip, progress=False)
+    with monkeypatch.context() as patch:
+        renames = _kill_at_second_rename(patch, suffix)
+        with pytest.raises(Killed):  # the writer thread's death reaches prepare() when it records that shard
+            prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+    cache = tmp_path / "out" / CACHE_DIRNAME
+    killed = Path(str(renames[1]).removesuffix(".sha256"))
+    whole = {p.name for p in cache.glob("*.safetensors")}
+    leftovers = {p.name for p in cache.iterdir()} - whole - {name + ".sha256" for name in whole}
+    assert killed.name not in whole and leftovers  # the sidecar's temp file, or the shard-less sidecar
+    whole = len(whole)
+    resumed = prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+    assert (resumed.shards_reused, resumed.shards_encoded) == (whole, 4 - whole)
+    assert dir_snapshot(tmp_path / "out") == dir_snapshot(tmp_path / "reference")
+
+
+def test_a_sidecar_whose_shard_never_landed_is_removed_with_the_orphan_shards(tmp_path, clip, host_module,
+                                                                              monkeypatch):
+    """A killed run's sidecar for a shard it never renamed into place, then a run of another recipe (other shard
+    names): the sidecar goes, as an orphan shard of an earlier recipe does."""
+    with monkeypatch.context() as patch:
+        renames = _kill_at_second_rename(patch, ".safetensors")
+        with pytest.raises(Killed):
+            prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 0})), tmp_path / "out", host=host_module,
+                    encoder=clip, progress=False)
+    cache = tmp_path / "out" / CACHE_DIRNAME
+    shards = {p.name for p in cache.glob("*.safetensors")}
+    assert not renames[1].exists() and Path(f"{renames[1]}.sha256").is_file()  # a sidecar without its shard
+    prepare(load_recipe(write_recipe(tmp_path, shard_rows=6)), tmp_path / "out", host=host_module, encoder=clip,
+            progress=False)
+    sidecars = {p.name for p in cache.glob("*.sha256")}
+    assert sidecars == {p.name + ".sha256" for p in cache.glob("*.safetensors")} and not shards & {
+        p.name for p in cache.glob("*.safetensors")}
+
+
 def _corrupt_parquet(tmp_path: Path) -> Path:
     import pyarrow.parquet as pq
     from datasets import Dataset, Features, Image, Value

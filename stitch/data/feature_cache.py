@@ -23,6 +23,7 @@ CACHE_DIRNAME = "feature-cache"
 MANIFEST_NAME = "manifest.jsonl"
 SHARD_TENSOR = "features"
 SHARD_FORMAT = "stitch.feature-shard/1"
+TMP_PREFIX = ".tmp-"  # every temp file prepare writes into the cache starts so; a new run removes ``.tmp*``
 
 
 class FeatureCacheError(ValueError):
@@ -58,8 +59,10 @@ def shard_digest_path(shard: Path) -> Path:
 
 
 def write_digest(shard: Path, digest: str) -> None:
+    """Write ``<name>.sha256`` atomically. Its temp file is named ``.tmp-<pid>-…`` like a shard's own, so a run
+    killed between the write and the rename leaves nothing that the next run's ``.tmp*`` sweep misses."""
     sidecar = shard_digest_path(shard)
-    tmp = sidecar.with_name(f".{sidecar.name}.{os.getpid()}")
+    tmp = sidecar.with_name(f"{TMP_PREFIX}{os.getpid()}-{sidecar.name}")
     tmp.write_text(digest + "\n")
     os.replace(tmp, sidecar)
 

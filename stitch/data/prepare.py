@@ -37,6 +37,7 @@ from stitch.data.feature_cache import (
     MANIFEST_NAME,
     SHARD_FORMAT,
     SHARD_TENSOR,
+    TMP_PREFIX,
     FeatureKey,
     ManifestLines,
     file_sha256,
@@ -48,7 +49,6 @@ from stitch.data.shared_slots import SharedSlots, SlotRef
 from stitch.plugins.specs import EncoderSpec
 
 REPORT_NAME = "prepare-report.json"
-_TMP_PREFIX = ".tmp-"
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -728,7 +728,7 @@ def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any])
     beside it (``<name>.sha256``); returns the sha256 that readers verify before use."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{path.name}")
+    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
     # one metadata key: safetensors writes a multi-key map in random order, and shards must be byte-stable
     meta = {SHARD_FORMAT: json.dumps(dict(metadata), sort_keys=True)}
     try:
@@ -1076,7 +1076,7 @@ class _Preparation:
         for stale in self.cache_dir.glob(".tmp*"):
             stale.unlink(missing_ok=True)
         manifest_path = self.out_dir / MANIFEST_NAME
-        manifest_tmp = self.out_dir / f"{_TMP_PREFIX}{MANIFEST_NAME}"
+        manifest_tmp = self.out_dir / f"{TMP_PREFIX}{MANIFEST_NAME}"
         tmp = Path(tempfile.mkdtemp(prefix="stitch-prepare-"))
         with self.clock("startup"):
             with self.clock("workers_start"):
@@ -1110,9 +1110,11 @@ class _Preparation:
                 pool.shutdown(wait=True, cancel_futures=True)
             shutil.rmtree(tmp, ignore_errors=True)
             manifest_tmp.unlink(missing_ok=True)
-        for shard in self.cache_dir.glob("*.safetensors"):  # orphans of earlier recipes
+        # orphans: shards of earlier recipes, and the sidecar of a shard whose rename a killed run never made
+        for path in [*self.cache_dir.glob("*.safetensors"), *self.cache_dir.glob("*.safetensors.sha256")]:
+            shard = path.with_suffix("") if path.suffix == ".sha256" else path
             if shard.name not in self.referenced:
-                shard.unlink()
+                path.unlink(missing_ok=True)
                 shard_digest_path(shard).unlink(missing_ok=True)
         total_rows = sum(self.rows_written.values())
         retained = self.retained()
@@ -1150,7 +1152,7 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
 
 
 def _write_json_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     os.replace(tmp, path)
 
