@@ -67,6 +67,9 @@
 #   bash benchmarks/h200_issue14.sh prepare12e # the final code: the side-stream GPU test and its mutation, encode only
 #                                             # against .bench-old/encoder.py (eager and compiled), stitch prepare on
 #                                             # 65,536 JPEGs once
+#   bash benchmarks/h200_issue14.sh prepare13 # round 13's code: the GPU test and its mutation, compiled encode against
+#                                             # stock, stitch prepare on 16,384 and 65,536 JPEGs; carry .whl-demo,
+#                                             # .whl-pydantic
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -471,6 +474,20 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       > /dev/null 2>&1
     [ $SECONDS -lt 480 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
       --skip-encode --name prepare_stitch_round12e_65536 --out "$OUT" 2>&1 | grep -E "^prepare|Error" | cut -c1-330
+    ;;
+  prepare13)  # round 13's final code (the sidecar fix touches only the writer): its GPU test and mutation, the
+    # compiled encoder against stock, and the shipped prepare at 16k and 64k on whatever host this is
+    install_datasets
+    side_stream_test_and_mutation
+    timeout 150 python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 \
+      --variants stitch_compile --name prepare_stitch_round13_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" \
+      | grep -E "^encode|Error" | cut -c1-300
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for images in 16384 65536; do
+      [ $SECONDS -lt 500 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images $images \
+        --skip-encode --name prepare_stitch_round13_$images --out "$OUT" 2>&1 | grep -E "^prepare|Error" | cut -c1-330
+    done
     ;;
   prepare11c)  # which thread holds the GIL while prepare runs (py-spy samples only those), and the per-row cut timed
     install_datasets
