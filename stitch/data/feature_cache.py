@@ -23,7 +23,7 @@ CACHE_DIRNAME = "feature-cache"
 MANIFEST_NAME = "manifest.jsonl"
 SHARD_TENSOR = "features"
 SHARD_FORMAT = "stitch.feature-shard/1"
-TMP_PREFIX = ".tmp-"  # every temp file prepare writes into the cache starts so; a new run removes ``.tmp*``
+TMP_PREFIX = ".tmp-"  # every temp file prepare writes starts so; a new run removes the cache's ``.tmp*``
 
 
 class FeatureCacheError(ValueError):
