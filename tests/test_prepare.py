@@ -248,9 +248,8 @@ def test_a_run_killed_at_a_shard_or_sidecar_rename_resumes_to_the_reference_byte
     whole = {p.name for p in cache.glob("*.safetensors")}
     leftovers = {p.name for p in cache.iterdir()} - whole - {name + ".sha256" for name in whole}
     assert killed.name not in whole and leftovers  # the sidecar's temp file, or the shard-less sidecar
-    whole = len(whole)
     resumed = prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
-    assert (resumed.shards_reused, resumed.shards_encoded) == (whole, 4 - whole)
+    assert (resumed.shards_reused, resumed.shards_encoded) == (len(whole), 4 - len(whole))
     assert dir_snapshot(tmp_path / "out") == dir_snapshot(tmp_path / "reference")
 
 

@@ -58,11 +58,16 @@ def shard_digest_path(shard: Path) -> Path:
     return shard.with_name(shard.name + ".sha256")
 
 
+def cache_temp_path(path: Path) -> Path:
+    """Where ``path`` (a shard or its sidecar) is written before its rename: ``.tmp-<pid>-<name>`` beside it, a
+    name the next run's ``.tmp*`` sweep removes when a kill came between the write and the rename."""
+    return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+
+
 def write_digest(shard: Path, digest: str) -> None:
-    """Write ``<name>.sha256`` atomically. Its temp file is named ``.tmp-<pid>-…`` like a shard's own, so a run
-    killed between the write and the rename leaves nothing that the next run's ``.tmp*`` sweep misses."""
+    """Write ``<name>.sha256`` atomically, through ``cache_temp_path`` as the shard itself is."""
     sidecar = shard_digest_path(shard)
-    tmp = sidecar.with_name(f"{TMP_PREFIX}{os.getpid()}-{sidecar.name}")
+    tmp = cache_temp_path(sidecar)
     tmp.write_text(digest + "\n")
     os.replace(tmp, sidecar)
 

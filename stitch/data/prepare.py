@@ -40,6 +40,7 @@ from stitch.data.feature_cache import (
     TMP_PREFIX,
     FeatureKey,
     ManifestLines,
+    cache_temp_path,
     file_sha256,
     shard_digest_path,
     verified_shard_digest,
@@ -728,7 +729,7 @@ def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any])
     beside it (``<name>.sha256``); returns the sha256 that readers verify before use."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+    tmp = cache_temp_path(path)
     # one metadata key: safetensors writes a multi-key map in random order, and shards must be byte-stable
     meta = {SHARD_FORMAT: json.dumps(dict(metadata), sort_keys=True)}
     try:
@@ -1112,10 +1113,8 @@ class _Preparation:
             manifest_tmp.unlink(missing_ok=True)
         # orphans: shards of earlier recipes, and the sidecar of a shard whose rename a killed run never made
         for path in [*self.cache_dir.glob("*.safetensors"), *self.cache_dir.glob("*.safetensors.sha256")]:
-            shard = path.with_suffix("") if path.suffix == ".sha256" else path
-            if shard.name not in self.referenced:
-                path.unlink(missing_ok=True)
-                shard_digest_path(shard).unlink(missing_ok=True)
+            if path.name.removesuffix(".sha256") not in self.referenced:
+                path.unlink()
         total_rows = sum(self.rows_written.values())
         retained = self.retained()
         report = PrepareReport(
