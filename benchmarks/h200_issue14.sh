@@ -70,6 +70,9 @@
 #   bash benchmarks/h200_issue14.sh prepare13 # round 13's code: the GPU test and its mutation, compiled encode against
 #                                             # stock, stitch prepare on 16,384 and 65,536 JPEGs; carry .whl-demo,
 #                                             # .whl-pydantic
+#   bash benchmarks/h200_issue14.sh prepare14 # nvjpeg decode on the GPU: its GPU test and a mutation, then stitch prepare
+#                                             # on 16,384 JPEGs (decode auto / cpu, twice) and 65,536 (each once); carry
+#                                             # .whl-demo, .whl-pydantic
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -487,6 +490,26 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     for images in 16384 65536; do
       [ $SECONDS -lt 500 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images $images \
         --skip-encode --name prepare_stitch_round13_$images --out "$OUT" 2>&1 | grep -E "^prepare|Error" | cut -c1-330
+    done
+    ;;
+  prepare14)  # JPEGs decoded by nvjpeg on the GPU (data.prepare.decode: auto) against the workers' CPU decode
+    # (decode: cpu), alternating on one host; first the device-decode GPU test, then with the crop offset broken
+    install_datasets
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    cp stitch_clip/encoder.py /tmp/encoder.py.keep
+    sed -i 's|self.weights(h, out_h, (out_h - ch) // 2, ch, device)|self.weights(h, out_h, 0, ch, device)|' \
+      stitch_clip/encoder.py
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_device_decode.py -k on_a_gpu 2>&1 \
+      | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
+    cp /tmp/encoder.py.keep stitch_clip/encoder.py
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "16384 auto a" "16384 cpu a" "16384 auto b" "16384 cpu b" "65536 auto a" "65536 cpu a"; do
+      set -- $run
+      [ $SECONDS -lt 480 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images $1 \
+        --decode $2 --skip-encode --name prepare_stitch_round14_$1_$2_$3 --out "$OUT" 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-330
     done
     ;;
   prepare11c)  # which thread holds the GIL while prepare runs (py-spy samples only those), and the per-row cut timed

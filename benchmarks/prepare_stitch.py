@@ -170,7 +170,8 @@ def make_dataset(root: Path, n: int, unique: int, workers: int, smoke: bool) -> 
 def write_recipe(root: Path, n: int, args) -> Path:
     import yaml
 
-    prepare_opts = {"compile": args.compile, **({"workers": args.workers} if args.workers is not None else {})}
+    prepare_opts = {"compile": args.compile, "decode": args.decode,
+                    **({"workers": args.workers} if args.workers is not None else {})}
     recipe = {
         "name": "prepare-bench", "model": "qwen3.5-tiny", "encoder": ENCODER,
         "data": {
@@ -222,6 +223,14 @@ class ProgressClock:
         return original
 
 
+def preprocess_identity(host, recipe, device: str) -> str | None:
+    """The identity of the preprocessing the run used (its shards are keyed by it): the workers' or the device's."""
+    from stitch.data.prepare import preprocess_for
+
+    preprocess = preprocess_for(host.get("encoders", recipe.encoder).preprocess(), device, recipe.data.prepare.decode)
+    return getattr(preprocess, "identity", None)
+
+
 def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
     from stitch.config.recipe import load_recipe
     from stitch.data.prepare import prepare
@@ -260,6 +269,7 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         "shard_rows": recipe.data.shard_rows, "retained_mib": round(report.retained_bytes / 2**20, 1),
         "phase_seconds": getattr(report, "phase_seconds", None), "worker_seconds": getattr(report, "worker_seconds", None),
         "main_cpu_s": round(cpu, 2), "media_chunks": getattr(report, "media_chunks", None),
+        "decode": recipe.data.prepare.decode, "preprocess": preprocess_identity(host, recipe, device),
         "model_tokenizer_ready_s": round(model_ready_s, 2),
         "model_tokenizer_note": "building (fresh machine) or loading the recipe model's tokenizer once before the "
                                 "timed call, as a user's model is downloaded before `stitch prepare`; not included",
@@ -492,6 +502,8 @@ def main() -> None:
     ap.add_argument("--unique", type=int, default=512, help="distinct image contents (each file's bytes differ)")
     ap.add_argument("--workers", type=int, default=None, help="data.prepare.workers (default: the recipe default)")
     ap.add_argument("--compile", default="auto", choices=["auto", "always", "never"], help="data.prepare.compile")
+    ap.add_argument("--decode", default="auto", choices=["auto", "cpu"],
+                    help="data.prepare.decode (auto: JPEGs decode on the GPU where torchvision is installed)")
     ap.add_argument("--encode-batch", type=int, default=1024, help="data.encode_batch_size")
     ap.add_argument("--shard-rows", type=int, default=2048, help="data.shard_rows")
     ap.add_argument("--batches", default="1024,2048,4096", help="encode-only batch sizes")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -177,6 +177,165 @@ class ClipGeometry:
         (ch, cw), (w, h) = self.crop, size
         top, left = (h - ch) // 2, (w - cw) // 2
         return pixels[:, top : top + ch, left : left + cw].contiguous()
+
+    def on_device(self, device: str | torch.device) -> ClipGeometry | ClipDeviceGeometry:
+        """The preprocessing for an encoder on ``device``: on a CUDA device with torchvision installed, JPEGs
+        decode there (``ClipDeviceGeometry``); anywhere else, this one."""
+        import importlib.util
+
+        on_cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+        if on_cuda and importlib.util.find_spec("torchvision") is not None:
+            return ClipDeviceGeometry(self)
+        return self
+
+
+def _jpeg_bytes(value: Any) -> bytes | None:
+    """The file's bytes when ``value`` (bytes, a ``{"bytes", "path"}`` dict or a path) is a JPEG, else None."""
+    if isinstance(value, dict):
+        value = value["bytes"] if value.get("bytes") is not None else value.get("path")
+    if isinstance(value, str | Path):
+        with open(value, "rb") as fh:
+            value = fh.read()
+    if isinstance(value, bytes | bytearray) and value[:3] == b"\xff\xd8\xff":
+        return bytes(value)
+    return None
+
+
+class JpegItem(NamedTuple):
+    """A JPEG handed from a worker to the device: its bytes, and its size from the headers (to chunk by pixels)."""
+
+    data: bytearray
+    width: int
+    height: int
+
+
+def device_decodable(data: bytes) -> tuple[int, int] | None:
+    """The (width, height) of a JPEG the GPU decodes as the CPU would, else None: three-channel (not greyscale,
+    CMYK or YCCK), upright (no EXIF orientation but 1) and whole (it ends with the end-of-image marker; a truncated
+    file goes the CPU's way, which reports it). Reads the headers only."""
+    from PIL import Image, UnidentifiedImageError
+
+    if data[-2:] != b"\xff\xd9":
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            upright = image.format == "JPEG" and image.mode == "RGB" and image.getexif().get(0x0112, 1) == 1
+            return image.size if upright else None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+        return None
+
+
+class ClipDeviceGeometry:
+    """``ClipGeometry`` with the JPEG decode and the resize moved to the encoder's GPU, for prepare on CUDA.
+
+    Why: prepare's worker processes were the bound on the H200 host, decoding + resizing at ~3.2 ms a
+    COCO-sized JPEG each (15 of them: ~3,600 images/s), while nvjpeg there decodes ~22,000 a second.
+
+    The worker half (``__call__``) hands over a ``JpegItem`` for a JPEG the GPU decodes as the CPU would
+    (``device_decodable``) and runs ``ClipGeometry`` on anything else (other formats, greyscale, rotated or
+    truncated JPEGs). ``device_batch`` finishes a batch on the device: nvjpeg decodes the JPEGs at full size
+    (torchvision's ``decode_jpeg``), and each image's shortest-edge resize + centre crop is one product
+    ``R_h @ x @ R_w^T``, whose matrices are torch's antialiased bicubic weights (PIL's filter) restricted to the
+    cropped rows and columns, so images of different sizes resize together in two batched GEMMs. Pixels differ
+    from the CPU's by nvjpeg's IDCT and colour conversion and by float rounding against PIL's fixed point (mean
+    under one level on COCO-like photos, BENCHMARKS.md), so the identity differs from the CPU geometry's."""
+
+    stacks = False  # items are JpegItems or tensors: each travels as it is, nothing is stacked in the worker
+    DEVICE_CHUNK = 256  # images decoded and resized at once, at most
+    PIXEL_BUDGET = 256 * 640 * 640  # padded pixels a chunk resizes (float32, 3 channels: 1.2 GiB)
+
+    def __init__(self, cpu: ClipGeometry, decoder_version: str | None = None) -> None:
+        from importlib.metadata import version
+
+        self.cpu = cpu
+        # nvjpeg comes with torchvision's build: another build may decode other pixels
+        self.identity = f"clip-nvjpeg/1 torchvision {decoder_version or version('torchvision')}"
+        self._weights: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def __call__(self, value: Any) -> JpegItem | torch.Tensor:
+        data = _jpeg_bytes(value)
+        size = None if data is None else device_decodable(data)
+        if data is not None and size is not None:
+            return JpegItem(bytearray(data), *size)
+        return self.cpu(value)
+
+    def decode_jpegs(self, datas: list[bytearray], device: torch.device) -> list[torch.Tensor]:
+        """uint8 [3, h, w] images on ``device``, decoded by nvjpeg in one batched call."""
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        return decode_jpeg([torch.frombuffer(d, dtype=torch.uint8) for d in datas], mode=ImageReadMode.RGB,
+                           device=device)
+
+    def weights(self, n_in: int, n_out: int, start: int, length: int, device: torch.device) -> torch.Tensor:
+        """[length, n_in]: row ``o`` holds the weights of output ``start + o`` of an antialiased bicubic resize
+        of ``n_in`` samples to ``n_out`` (torch's filter, which is PIL's): the resize of an identity matrix."""
+        key = (n_in, n_out, start, length, str(device))
+        found = self._weights.get(key)
+        if found is None:
+            eye = torch.eye(n_in, dtype=torch.float32, device=device)[None, None]
+            resized = torch.nn.functional.interpolate(eye, size=(n_in, n_out), mode="bicubic", antialias=True)
+            found = self._weights[key] = resized[0, 0, :, start : start + length].T.contiguous()
+        return found
+
+    def resize_crop(self, images: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """uint8 [B, 3, crop_h, crop_w] of uint8 [3, h, w] images of any sizes: ``ClipGeometry``'s resize and
+        crop (without its DCT-scaled decode) as a batched product, in float32 without TF32, rounded."""
+        (ch, cw), edge = self.cpu.crop, self.cpu.shortest_edge
+        height, width = max(i.shape[1] for i in images), max(i.shape[2] for i in images)
+        x = torch.zeros((len(images), 3, height, width), dtype=torch.float32, device=device)
+        rows = torch.zeros((len(images), ch, height), dtype=torch.float32, device=device)
+        cols = torch.zeros((len(images), cw, width), dtype=torch.float32, device=device)
+        for i, image in enumerate(images):
+            _, h, w = image.shape
+            out_w, out_h = (edge, int(edge * h / w)) if w <= h else (int(edge * w / h), edge)
+            x[i, :, :h, :w] = image
+            rows[i, :, :h] = self.weights(h, out_h, (out_h - ch) // 2, ch, device)
+            cols[i, :, :w] = self.weights(w, out_w, (out_w - cw) // 2, cw, device)
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would move pixels by up to a level
+        try:
+            out = rows[:, None] @ (x @ cols[:, None].transpose(-1, -2))
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        return out.round_().clamp_(0, 255).to(torch.uint8)
+
+    def chunks(self, items: list[Any], jpegs: list[int]) -> list[list[int]]:
+        """``jpegs`` (indices of ``items``) by size, in runs of at most ``DEVICE_CHUNK`` whose padded size stays
+        within ``PIXEL_BUDGET`` (an image larger than that alone): similar sizes pad little."""
+        out: list[list[int]] = []
+        height = width = 0
+        for i in sorted(jpegs, key=lambda i: (items[i].height * items[i].width, i)):
+            h, w = max(height, items[i].height), max(width, items[i].width)
+            if out and len(out[-1]) < self.DEVICE_CHUNK and (len(out[-1]) + 1) * h * w <= self.PIXEL_BUDGET:
+                out[-1].append(i)
+                height, width = h, w
+            else:
+                out.append([i])
+                height, width = items[i].height, items[i].width
+        return out
+
+    def finish(self, items: list[Any], at: list[int], device: torch.device) -> torch.Tensor:
+        """The JPEGs ``at`` decoded in one nvjpeg call and resized; if nvjpeg refuses the batch, each alone, and
+        one it refuses alone goes through the CPU geometry (as a worker would have run it)."""
+        try:
+            return self.resize_crop(self.decode_jpegs([items[i].data for i in at], device), device)
+        except RuntimeError:
+            if len(at) > 1:
+                return torch.cat([self.finish(items, [i], device) for i in at])
+            return self.cpu(bytes(items[at[0]].data))[None].to(device)
+
+    def device_batch(self, items: list[Any], device: str | torch.device) -> torch.Tensor:
+        """The uint8 [B, 3, crop_h, crop_w] batch on ``device`` of the worker half's items, in order: JPEGs
+        decoded and resized there (``chunks``), the CPU geometry's tensors copied."""
+        device = torch.device(device)
+        out = torch.empty((len(items), 3, *self.cpu.crop), dtype=torch.uint8, device=device)
+        jpegs = [i for i, item in enumerate(items) if isinstance(item, JpegItem)]
+        tensors = [i for i, item in enumerate(items) if not isinstance(item, JpegItem)]
+        if tensors:
+            out[tensors] = torch.stack([items[i] for i in tensors]).to(device, non_blocking=True)
+        for at in self.chunks(items, jpegs):
+            out[at] = self.finish(items, at, device)
+        return out
 
 
 def clip_geometry(processor: Any) -> ClipGeometry | None:

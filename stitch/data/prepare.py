@@ -574,7 +574,7 @@ class MediaDecoder:
         into one (one shared-memory transfer per chunk; into ``slots``' slot ``slot`` when given and the stack
         fits it) and each good row holds its count instead of its items."""
         results = [None if values is None else self.row(values) for values in chunk]
-        if self.preprocess is None:
+        if self.preprocess is None or not getattr(self.preprocess, "stacks", True):
             return results, None
         tensors = [t for r in results if r is not None and isinstance(r[0], list) for t in r[1]]
         stacked: torch.Tensor | SlotRef | None = None
@@ -703,6 +703,15 @@ def media_slots(preprocess: Any, workers: int, shard_rows: int) -> SharedSlots |
 # -- shards ---------------------------------------------------------------------------------------------
 
 
+def preprocess_for(preprocess: Any, device: str, decode: str) -> Any:
+    """The encoder's preprocessing as this run uses it: with ``data.prepare.decode: auto``, the variant its
+    ``on_device(device)`` offers for an encoder on ``device`` (CLIP's decodes JPEGs on a CUDA device), with
+    ``cpu`` the worker-only one."""
+    if decode == "auto" and callable(on_device := getattr(preprocess, "on_device", None)):
+        return on_device(device)
+    return preprocess
+
+
 def encoder_identity(spec: EncoderSpec, dtype: str, preprocess: Any = None) -> dict[str, Any]:
     source = spec.source.identity()
     identity = {
@@ -764,7 +773,7 @@ class _Preparation:
         self._encoder = encoder
         self._encoder_ready = False
         # the encoder's preprocessing for worker processes (its processor config; the weights load only to encode)
-        self.preprocess = spec.preprocess()
+        self.preprocess = preprocess_for(spec.preprocess(), device, self.data.prepare.decode)
         self.identity = encoder_identity(spec, self.data.feature_dtype, self.preprocess)
         self.provenance = {
             "encoder": spec.name,
@@ -1035,9 +1044,12 @@ class _Preparation:
 
     def batch(self, items: list[Any]) -> Any:
         """What one encoder call takes: the list of decoded items, or preprocessed tensors stacked into one
-        (in pinned memory when the encoder is on CUDA, so the copy to the device is asynchronous)."""
+        (in pinned memory when the encoder is on CUDA, so the copy to the device is asynchronous), or the batch a
+        preprocessing that finishes on the device (``device_batch``) made there."""
         if self.preprocess is None or not items:  # decode_item's items (a plugin's may differ in shape)
             return items
+        if callable(finish := getattr(self.preprocess, "device_batch", None)):
+            return finish(items, self.device)
         out = torch.empty((len(items), *items[0].shape), dtype=items[0].dtype, pin_memory=self.pinned)
         with _one_host_thread():
             return torch.stack(items, out=out)
