@@ -497,7 +497,19 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     install_datasets
     timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py 2>&1 \
       | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
+      | tee "$OUT/gpu_tests_clip.log" | grep -E "passed|failed|Error" | cut -c1-400
     cp stitch_clip/encoder.py /tmp/encoder.py.keep
+    sed -i 's|        with preferred_attention():|        with contextlib.nullcontext():|; s|^import io$|import contextlib, io|' \
+      stitch_clip/encoder.py  # cuDNN's attention again: the kernel test must fail
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prepare_fast.py -k memory_efficient 2>&1 \
+      | tee "$OUT/gpu_tests_attention_mutated.log" | grep -E "passed|failed" | cut -c1-400
+    cp /tmp/encoder.py.keep stitch_clip/encoder.py
+    # encode only: the shipped encoder (efficient attention first) against the previous commit's (cuDNN's)
+    timeout 200 python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 \
+      --variants stitch_compile,stitch_compile_prev,stitch_compile,stitch_compile_prev --prev-encoder \
+      .bench-old/encoder.py --name prepare_stitch_round14_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" \
+      | grep -E "^encode|Error" | cut -c1-300
     sed -i 's|self.weights(h, out_h, (out_h - ch) // 2, ch, device)|self.weights(h, out_h, 0, ch, device)|' \
       stitch_clip/encoder.py
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_device_decode.py -k on_a_gpu 2>&1 \
