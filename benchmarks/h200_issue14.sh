@@ -71,8 +71,10 @@
 #                                             # stock, stitch prepare on 16,384 and 65,536 JPEGs; carry .whl-demo,
 #                                             # .whl-pydantic
 #   bash benchmarks/h200_issue14.sh prepare14 # nvjpeg decode on the GPU: its GPU test and a mutation, then stitch prepare
-#                                             # on 16,384 JPEGs (decode auto / cpu, twice) and 65,536 (each once); carry
+#                                             # on 16,384 JPEGs (decode device / cpu, twice) and 65,536 (each once); carry
 #                                             # .whl-demo, .whl-pydantic
+#   bash benchmarks/h200_issue14.sh prepare14b # the GPU tests; stitch prepare on 16,384 JPEGs with 3 and 7 decode workers,
+#                                             # decode device / cpu; the device path under cProfile
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -492,24 +494,15 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
         --skip-encode --name prepare_stitch_round13_$images --out "$OUT" 2>&1 | grep -E "^prepare|Error" | cut -c1-330
     done
     ;;
-  prepare14)  # JPEGs decoded by nvjpeg on the GPU (data.prepare.decode: auto) against the workers' CPU decode
-    # (decode: cpu), alternating on one host; first the device-decode GPU test, then with the crop offset broken
+  prepare14)  # JPEGs decoded by nvjpeg on the GPU (data.prepare.decode: device; run at a74943e, where it was called
+    # auto and was the default, with sdpa's efficient attention first and a GPU test of that kernel, since reverted)
+    # against the workers' CPU decode, alternating on one host; first the GPU tests, then with the crop offset broken
     install_datasets
     timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py 2>&1 \
       | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
     timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
       | tee "$OUT/gpu_tests_clip.log" | grep -E "passed|failed|Error" | cut -c1-400
     cp stitch_clip/encoder.py /tmp/encoder.py.keep
-    sed -i 's|        with preferred_attention():|        with contextlib.nullcontext():|; s|^import io$|import contextlib, io|' \
-      stitch_clip/encoder.py  # cuDNN's attention again: the kernel test must fail
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_prepare_fast.py -k memory_efficient 2>&1 \
-      | tee "$OUT/gpu_tests_attention_mutated.log" | grep -E "passed|failed" | cut -c1-400
-    cp /tmp/encoder.py.keep stitch_clip/encoder.py
-    # encode only: the shipped encoder (efficient attention first) against the previous commit's (cuDNN's)
-    timeout 200 python3 benchmarks/prepare_stitch.py --skip-prepare --batches 2048 --images 4096 \
-      --variants stitch_compile,stitch_compile_prev,stitch_compile,stitch_compile_prev --prev-encoder \
-      .bench-old/encoder.py --name prepare_stitch_round14_encode --out "$OUT" 2>&1 | tee "$OUT/encode.log" \
-      | grep -E "^encode|Error" | cut -c1-300
     sed -i 's|self.weights(h, out_h, (out_h - ch) // 2, ch, device)|self.weights(h, out_h, 0, ch, device)|' \
       stitch_clip/encoder.py
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_device_decode.py -k on_a_gpu 2>&1 \
@@ -517,12 +510,29 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     cp /tmp/encoder.py.keep stitch_clip/encoder.py
     timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
       > /dev/null 2>&1
-    for run in "16384 auto a" "16384 cpu a" "16384 auto b" "16384 cpu b" "65536 auto a" "65536 cpu a"; do
+    for run in "16384 device a" "16384 cpu a" "16384 device b" "16384 cpu b" "65536 device a" "65536 cpu a"; do
       set -- $run
       [ $SECONDS -lt 480 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images $1 \
         --decode $2 --skip-encode --name prepare_stitch_round14_$1_$2_$3 --out "$OUT" 2>&1 \
         | grep -E "^prepare|Error" | cut -c1-330
     done
+    ;;
+  prepare14b)  # the GPU decode with few decode workers (a host with few cores per GPU), against the CPU decode with as
+    # many; the side-stream test again (the encoder as before a74943e), and where the device path's main thread goes
+    install_datasets
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
+      -k "on_a_gpu" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "3 device" "3 cpu" "7 device" "7 cpu"; do
+      set -- $run
+      [ $SECONDS -lt 420 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
+        --workers $1 --decode $2 --skip-encode --name prepare_stitch_round14b_16384_w$1_$2 --out "$OUT" 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-250
+    done
+    [ $SECONDS -lt 480 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
+      --decode device --profile --skip-encode --name prepare_stitch_round14b_16384_device_profile --out "$OUT" 2>&1 \
+      | grep -E "^prepare|Error" | cut -c1-250
     ;;
   prepare11c)  # which thread holds the GIL while prepare runs (py-spy samples only those), and the per-row cut timed
     install_datasets

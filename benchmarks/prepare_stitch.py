@@ -502,8 +502,8 @@ def main() -> None:
     ap.add_argument("--unique", type=int, default=512, help="distinct image contents (each file's bytes differ)")
     ap.add_argument("--workers", type=int, default=None, help="data.prepare.workers (default: the recipe default)")
     ap.add_argument("--compile", default="auto", choices=["auto", "always", "never"], help="data.prepare.compile")
-    ap.add_argument("--decode", default="auto", choices=["auto", "cpu"],
-                    help="data.prepare.decode (auto: JPEGs decode on the GPU where torchvision is installed)")
+    ap.add_argument("--decode", default="cpu", choices=["cpu", "device"],
+                    help="data.prepare.decode (device: JPEGs decode on the GPU, with torchvision)")
     ap.add_argument("--encode-batch", type=int, default=1024, help="data.encode_batch_size")
     ap.add_argument("--shard-rows", type=int, default=2048, help="data.shard_rows")
     ap.add_argument("--batches", default="1024,2048,4096", help="encode-only batch sizes")

@@ -361,17 +361,6 @@ def load_clip_preprocess(source: ModelSource) -> ClipGeometry | None:
     return clip_geometry(CLIPImageProcessor.from_pretrained(**source.pretrained_kwargs()))
 
 
-def preferred_attention() -> Any:
-    """sdpa's kernels with the memory-efficient one first: on the H200 it ran ViT-B/32's 50-token attention over
-    1,024 images in 0.151 ms a layer, cuDNN's (torch's own pick there) in 0.204 and FlashAttention-2 in 0.292
-    (BENCHMARKS.md, encode_levers.py). The others stay allowed, in that order, where it does not run: the CPU
-    has no such kernel and keeps its own."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
-
-
 class ClipImageEncoder:
     """Frozen CLIPVisionModel + CLIPImageProcessor; ``encode`` returns [B, 49, width] (768 for ViT-B/32).
 
@@ -478,12 +467,7 @@ class ClipImageEncoder:
 
     def _run(self, pixels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tower's patch features of ``pixels`` (uint8 or already normalised, on the device), written into
-        ``out`` when given (each chunk's features land in place: no concatenation afterwards); the attention
-        runs ``preferred_attention``'s kernel (a compiled tower takes it in when it is traced)."""
-        with preferred_attention():
-            return self._run_tower(pixels, out)
-
-    def _run_tower(self, pixels: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        ``out`` when given (each chunk's features land in place: no concatenation afterwards)."""
         step = self.compiled_batch
         if step is None or not len(pixels):  # the tower as it is, on the whole batch
             features = self._tower(pixels)

@@ -1,7 +1,8 @@
 """prepare's JPEG decode on the encoder's device (``ClipDeviceGeometry``): the worker hands over a JPEG's bytes only
 where the GPU decodes it as the CPU would, the batched resize + crop is torch's antialiased bicubic (PIL's filter) to
-within float rounding, a batch keeps its rows' order, ``data.prepare.decode`` picks the path, and a whole prepare run
-through the device path (its decode done by PIL here, nvjpeg on a GPU) gives the features of its own pixels."""
+within float rounding, a batch keeps its rows' order, ``data.prepare.decode`` picks the path (``device`` is refused
+where there is none), and a whole prepare run through the device path (its decode done by PIL here, nvjpeg on a
+GPU) gives the features of its own pixels."""
 
 from __future__ import annotations
 
@@ -150,23 +151,28 @@ def test_a_jpeg_nvjpeg_refuses_goes_through_the_cpu_geometry_and_the_rest_of_its
         assert torch.equal(batch[i], geometry.resize_crop(pil_decode([raws[i]], "cpu"), torch.device("cpu"))[0])
 
 
-def test_decode_auto_takes_the_device_variant_on_cuda_and_cpu_keeps_the_workers_geometry(monkeypatch):
+def test_decode_device_takes_the_device_variant_on_cuda_cpu_keeps_the_workers_and_elsewhere_device_is_refused(
+        monkeypatch):
     import importlib.util
+
+    from stitch.data.prepare import PrepareError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchvision"
                         else found(name, *a))
     monkeypatch.setattr("importlib.metadata.version", lambda name: "0.0-test")
-    on_gpu = preprocess_for(GEOMETRY, "cuda:0", "auto")
+    on_gpu = preprocess_for(GEOMETRY, "cuda:0", "device")
     assert isinstance(on_gpu, ClipDeviceGeometry) and on_gpu.cpu is GEOMETRY
     assert on_gpu.identity != GEOMETRY.identity and "0.0-test" in on_gpu.identity
     assert preprocess_for(GEOMETRY, "cuda:0", "cpu") is GEOMETRY
-    assert preprocess_for(GEOMETRY, "cpu", "auto") is GEOMETRY
-    assert preprocess_for(None, "cuda:0", "auto") is None
+    assert preprocess_for(None, "cuda:0", "device") is None  # an encoder with no fixed-shape preprocessing
+    with pytest.raises(PrepareError, match="data.prepare.decode: device.*'cpu'.*decode: cpu"):
+        preprocess_for(GEOMETRY, "cpu", "device")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchvision"
                         else found(name, *a))
-    assert preprocess_for(GEOMETRY, "cuda:0", "auto") is GEOMETRY  # no torchvision: the workers decode
+    with pytest.raises(PrepareError, match="torchvision"):
+        preprocess_for(GEOMETRY, "cuda:0", "device")
 
 
 def jpeg_rows(root, n: int) -> None:
@@ -179,7 +185,7 @@ def jpeg_rows(root, n: int) -> None:
                                  "answer": str(i)}) + "\n")
 
 
-def jpeg_recipe(root, workers: int, decode: str = "auto"):
+def jpeg_recipe(root, workers: int, decode: str = "device"):
     import yaml
 
     recipe = {"name": "device-decode", "model": "qwen3.5-tiny", "encoder": "clip-tiny",
@@ -195,9 +201,10 @@ def jpeg_recipe(root, workers: int, decode: str = "auto"):
 
 def test_prepare_through_the_device_path_encodes_what_device_batch_makes_with_or_without_workers(
         tmp_path, host, monkeypatch):
-    """The device variant forced on the CPU (its decode by PIL): JPEG bytes cross from the workers unstacked, the
-    encoder gets ``device_batch``'s pixels, the shards are keyed by its identity, and 0 or 2 workers write the
-    same bytes. ``decode: cpu`` in the same setting keeps the workers' geometry: other shards."""
+    """``decode: device`` with the device variant allowed on the CPU (its decode by PIL): JPEG bytes cross from
+    the workers unstacked, the encoder gets ``device_batch``'s pixels, the shards are keyed by its identity, and 0
+    or 2 workers write the same bytes. ``decode: cpu`` in the same setting keeps the workers' geometry: other
+    shards."""
     from stitch.data.feature_cache import PreparedData
 
     monkeypatch.setattr(ClipGeometry, "on_device", lambda self, device: device_geometry(monkeypatch))

@@ -268,22 +268,3 @@ def test_on_a_gpu_a_batch_copied_in_chunks_on_a_side_stream_gives_the_one_copy_f
     assert relative(chunked, whole.roll(1, 0)) > 0.1  # another image's features: the check can fail
     encoder.pipeline_chunk = 2048  # one chunk, copied on the side stream: the same kernels on the same pixels
     assert torch.equal(encoder.encode(pixels).float(), whole)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="sdpa's memory-efficient kernel runs on a CUDA device")
-def test_on_a_gpu_the_tower_runs_sdpas_memory_efficient_attention_kernel_eager_and_compiled(host_module):
-    from torch.profiler import ProfilerActivity, profile
-
-    spec = host_module.get("encoders", "clip-tiny")
-    encoder = spec.load(spec.source, "cuda", torch.bfloat16)
-    pixels = torch.randint(0, 256, (64, 3, 224, 224), dtype=torch.uint8)
-    for compiled in (False, True):
-        if compiled:
-            encoder.compile(64)
-        encoder.encode(pixels)  # a compiled tower is traced here, under the preferred kernels
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            encoder.encode(pixels)
-            torch.cuda.synchronize()
-        names = [e.key.lower() for e in prof.key_averages()]
-        attention = [n for n in names if "fmha" in n or "attention" in n or "flash" in n or "cudnn" in n]
-        assert any("cutlass" in n or "efficient" in n for n in attention), (compiled, attention)

@@ -53,7 +53,7 @@ SourceFormat = Literal["parquet", "json", "imagefolder"]
 BuiltinDataset = Literal["counting-shapes", "shape-colors"]
 OnCorrupt = Literal["error", "skip"]
 CompileChoice = Literal["auto", "always", "never"]
-DecodeChoice = Literal["auto", "cpu"]
+DecodeChoice = Literal["cpu", "device"]
 COMPILE_AUTO_ITEMS = 100_000  # compiling the tower costs tens of seconds; below this many items it does not pay
 DEFAULT_TASK = "exact-match"  # a recipe that names no task is graded by normalised exact match of the answer
 _SHA = re.compile(r"^[0-9a-f]{40}$")
@@ -319,9 +319,10 @@ class PrepareOptions:
                                                              "main process; unset: min(16, CPUs - 1))")
     compile: CompileChoice = Field("auto", description="torch.compile the encoder: auto compiles on CUDA when "
                                                        f"at least {COMPILE_AUTO_ITEMS} rows are selected")
-    decode: DecodeChoice = Field("auto", description="where media are decoded: auto lets the encoder's "
-                                                     "preprocessing finish on its device where it offers that (CLIP: "
-                                                     "JPEGs on a CUDA GPU, with torchvision); cpu: in the workers")
+    decode: DecodeChoice = Field("cpu", description="where media are decoded: cpu in the workers; device lets the "
+                                                    "encoder's preprocessing finish on its device (CLIP: JPEGs by "
+                                                    "nvjpeg on a CUDA GPU, needs torchvision): for hosts with few "
+                                                    "CPU cores per GPU")
 
     @property
     def worker_count(self) -> int:

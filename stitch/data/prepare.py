@@ -704,12 +704,20 @@ def media_slots(preprocess: Any, workers: int, shard_rows: int) -> SharedSlots |
 
 
 def preprocess_for(preprocess: Any, device: str, decode: str) -> Any:
-    """The encoder's preprocessing as this run uses it: with ``data.prepare.decode: auto``, the variant its
-    ``on_device(device)`` offers for an encoder on ``device`` (CLIP's decodes JPEGs on a CUDA device), with
-    ``cpu`` the worker-only one."""
-    if decode == "auto" and callable(on_device := getattr(preprocess, "on_device", None)):
-        return on_device(device)
-    return preprocess
+    """The encoder's preprocessing as this run uses it: with ``data.prepare.decode: device``, the variant its
+    ``on_device(device)`` offers for an encoder on ``device`` (CLIP's decodes JPEGs there), refused where it
+    offers none; with ``cpu``, the workers' own."""
+    if decode != "device" or preprocess is None:
+        return preprocess
+    on_device = getattr(preprocess, "on_device", None)
+    chosen = on_device(device) if callable(on_device) else preprocess
+    if chosen is preprocess:
+        raise PrepareError(
+            f"data.prepare.decode: device, but the encoder's preprocessing ({type(preprocess).__name__}) has no "
+            f"variant for device {device!r} (CLIP's needs a CUDA device and torchvision installed); set "
+            f"data.prepare.decode: cpu"
+        )
+    return chosen
 
 
 def encoder_identity(spec: EncoderSpec, dtype: str, preprocess: Any = None) -> dict[str, Any]:
