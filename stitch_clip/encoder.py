@@ -251,6 +251,7 @@ class ClipDeviceGeometry:
         # nvjpeg comes with torchvision's build: another build may decode other pixels
         self.identity = f"clip-nvjpeg/1 torchvision {decoder_version or version('torchvision')}"
         self._weights: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._checked = False  # check_decoder has decoded on the device
 
     def __call__(self, value: Any) -> JpegItem | torch.Tensor:
         data = _jpeg_bytes(value)
@@ -324,10 +325,27 @@ class ClipDeviceGeometry:
                 return torch.cat([self.finish(items, [i], device) for i in at])
             return self.cpu(bytes(items[at[0]].data))[None].to(device)
 
+    def check_decoder(self, device: torch.device) -> None:
+        """Decode one small JPEG on ``device`` once: a torchvision without a working nvjpeg fails here, with what
+        to do, instead of sending every image through the CPU fallback of ``finish`` under this identity."""
+        if self._checked:
+            return
+        from PIL import Image
+
+        buf = io.BytesIO()
+        Image.new("RGB", (64, 48), (200, 30, 90)).save(buf, "JPEG")
+        try:
+            self.decode_jpegs([bytearray(buf.getvalue())], device)
+        except Exception as exc:  # noqa: BLE001 - whatever torchvision raises, the remedy is the same
+            raise RuntimeError(f"nvjpeg cannot decode a JPEG on {device} ({type(exc).__name__}: {exc}); set "
+                               f"data.prepare.decode: cpu") from exc
+        self._checked = True
+
     def device_batch(self, items: list[Any], device: str | torch.device) -> torch.Tensor:
         """The uint8 [B, 3, crop_h, crop_w] batch on ``device`` of the worker half's items, in order: JPEGs
         decoded and resized there (``chunks``), the CPU geometry's tensors copied."""
         device = torch.device(device)
+        self.check_decoder(device)
         out = torch.empty((len(items), 3, *self.cpu.crop), dtype=torch.uint8, device=device)
         jpegs = [i for i, item in enumerate(items) if isinstance(item, JpegItem)]
         tensors = [i for i, item in enumerate(items) if not isinstance(item, JpegItem)]

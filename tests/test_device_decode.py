@@ -151,6 +151,17 @@ def test_a_jpeg_nvjpeg_refuses_goes_through_the_cpu_geometry_and_the_rest_of_its
         assert torch.equal(batch[i], geometry.resize_crop(pil_decode([raws[i]], "cpu"), torch.device("cpu"))[0])
 
 
+def test_a_device_without_a_working_nvjpeg_stops_the_first_batch_with_the_remedy(monkeypatch):
+    geometry = device_geometry()
+
+    def broken(datas, device):
+        raise RuntimeError("torchvision was not compiled with nvjpeg")
+
+    monkeypatch.setattr(geometry, "decode_jpegs", broken)
+    with pytest.raises(RuntimeError, match="nvjpeg cannot decode.*data.prepare.decode: cpu"):
+        geometry.device_batch([geometry(photo_bytes(500, 375, "JPEG"))], "cpu")
+
+
 def test_decode_device_takes_the_device_variant_on_cuda_cpu_keeps_the_workers_and_elsewhere_device_is_refused(
         monkeypatch):
     import importlib.util
@@ -166,7 +177,9 @@ def test_decode_device_takes_the_device_variant_on_cuda_cpu_keeps_the_workers_an
     assert isinstance(on_gpu, ClipDeviceGeometry) and on_gpu.cpu is GEOMETRY
     assert on_gpu.identity != GEOMETRY.identity and "0.0-test" in on_gpu.identity
     assert preprocess_for(GEOMETRY, "cuda:0", "cpu") is GEOMETRY
-    assert preprocess_for(None, "cuda:0", "device") is None  # an encoder with no fixed-shape preprocessing
+    assert preprocess_for(None, "cuda:0", "cpu") is None
+    with pytest.raises(PrepareError, match="has no variant"):  # an encoder with no fixed-shape preprocessing
+        preprocess_for(None, "cuda:0", "device")
     with pytest.raises(PrepareError, match="data.prepare.decode: device.*'cpu'.*decode: cpu"):
         preprocess_for(GEOMETRY, "cpu", "device")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchvision"

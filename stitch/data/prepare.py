@@ -707,7 +707,7 @@ def preprocess_for(preprocess: Any, device: str, decode: str) -> Any:
     """The encoder's preprocessing as this run uses it: with ``data.prepare.decode: device``, the variant its
     ``on_device(device)`` offers for an encoder on ``device`` (CLIP's decodes JPEGs there), refused where it
     offers none; with ``cpu``, the workers' own."""
-    if decode != "device" or preprocess is None:
+    if decode != "device":
         return preprocess
     on_device = getattr(preprocess, "on_device", None)
     chosen = on_device(device) if callable(on_device) else preprocess
