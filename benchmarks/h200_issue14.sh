@@ -75,6 +75,7 @@
 #                                             # .whl-demo, .whl-pydantic
 #   bash benchmarks/h200_issue14.sh prepare14b # the GPU tests; stitch prepare on 16,384 JPEGs with 3 and 7 decode workers,
 #                                             # decode device / cpu; the device path under cProfile
+#   bash benchmarks/h200_issue14.sh gputests14 # the final code's GPU tests (nvjpeg decode, side stream)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -533,6 +534,11 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     [ $SECONDS -lt 480 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
       --decode device --profile --skip-encode --name prepare_stitch_round14b_16384_device_profile --out "$OUT" 2>&1 \
       | grep -E "^prepare|Error" | cut -c1-250
+    ;;
+  gputests14)  # the final code's GPU tests: nvjpeg decode (and its CPU-side tests on this machine), the side stream
+    install_datasets
+    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
+      -k "on_a_gpu or device" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
     ;;
   prepare11c)  # which thread holds the GIL while prepare runs (py-spy samples only those), and the per-row cut timed
     install_datasets
