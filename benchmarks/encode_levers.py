@@ -226,16 +226,14 @@ def _make(seed: int) -> bytes:
 def sj_geometry(data: bytes) -> torch.Tensor:
     import simplejpeg
 
-    from stitch_clip.encoder import resize_uint8
+    from stitch_clip.encoder import ClipGeometry, resize_uint8
 
     arr = simplejpeg.decode_jpeg(data, "RGB", min_height=224, min_width=224)
     h, w = arr.shape[:2]
-    size = (224, int(224 * h / w)) if w <= h else (int(224 * w / h), 224)
+    size, top, left = ClipGeometry(224, (224, 224), 3).placement(w, h)
     pixels = torch.from_numpy(arr).permute(2, 0, 1)
     if size != (w, h):
         pixels = resize_uint8(pixels, size, 3)
-    (w, h) = size
-    top, left = (h - 224) // 2, (w - 224) // 2
     return pixels[:, top : top + 224, left : left + 224].contiguous()
 
 

@@ -504,7 +504,7 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
       | tee "$OUT/gpu_tests_clip.log" | grep -E "passed|failed|Error" | cut -c1-400
     cp stitch_clip/encoder.py /tmp/encoder.py.keep
-    sed -i 's|self.weights(h, out_h, (out_h - ch) // 2, ch, device)|self.weights(h, out_h, 0, ch, device)|' \
+    sed -i 's|self.weights(h, out_h, top, ch, device)|self.weights(h, out_h, 0, ch, device)|' \
       stitch_clip/encoder.py
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_device_decode.py -k on_a_gpu 2>&1 \
       | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400

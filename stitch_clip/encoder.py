@@ -24,15 +24,21 @@ DEMO_FEATURE_WIDTH = 256
 DEMO_PAYLOAD = "clip_image_demo"
 
 
-def _open_image(value: Any) -> Any:
-    """A lazily opened PIL image from bytes, a ``{"bytes", "path"}`` dict (datasets' Image) or a path."""
-    from PIL import Image
-
+def _unwrap(value: Any) -> Any:
+    """A ``{"bytes", "path"}`` dict (datasets' Image) as its bytes, or its path when it has none; else ``value``."""
     if isinstance(value, dict):  # bytes win; the path is only opened when there are none
         found = value["bytes"] if value.get("bytes") is not None else value.get("path")
         if not found:
             raise ValueError("image dict has neither 'bytes' nor 'path'")
-        value = found
+        return found
+    return value
+
+
+def _open_image(value: Any) -> Any:
+    """A lazily opened PIL image from bytes, a ``{"bytes", "path"}`` dict (datasets' Image) or a path."""
+    from PIL import Image
+
+    value = _unwrap(value)
     if isinstance(value, bytes | bytearray):
         return Image.open(io.BytesIO(value))
     if isinstance(value, str | Path):
@@ -166,16 +172,20 @@ class ClipGeometry:
         """The shape of every tensor this returns (prepare sizes its shared slots by it)."""
         return (3, *self.crop)
 
+    def placement(self, w: int, h: int) -> tuple[tuple[int, int], int, int]:
+        """For a ``w`` x ``h`` image: the ``(width, height)`` its short side resizes to (the processor's rule,
+        long side ``int(edge * long / short)``), and the top and left of the centre crop in that resized image."""
+        edge, (ch, cw) = self.shortest_edge, self.crop
+        out_w, out_h = (edge, int(edge * h / w)) if w <= h else (int(edge * w / h), edge)
+        return (out_w, out_h), (out_h - ch) // 2, (out_w - cw) // 2
+
     def __call__(self, value: Any) -> torch.Tensor:
         image = decode_image(value, min_short_side=self.shortest_edge)
-        w, h = image.size
-        edge = self.shortest_edge
-        size = (edge, int(edge * h / w)) if w <= h else (int(edge * w / h), edge)
+        size, top, left = self.placement(*image.size)
         pixels = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)  # channels-last strides: the fast kernel
-        if size != (w, h):
+        if size != image.size:
             pixels = resize_uint8(pixels, size, self.resample)
-        (ch, cw), (w, h) = self.crop, size
-        top, left = (h - ch) // 2, (w - cw) // 2
+        ch, cw = self.crop
         return pixels[:, top : top + ch, left : left + cw].contiguous()
 
     def on_device(self, device: str | torch.device) -> ClipGeometry | ClipDeviceGeometry:
@@ -189,16 +199,14 @@ class ClipGeometry:
         return self
 
 
-def _jpeg_bytes(value: Any) -> bytes | None:
-    """The file's bytes when ``value`` (bytes, a ``{"bytes", "path"}`` dict or a path) is a JPEG, else None."""
-    if isinstance(value, dict):
-        value = value["bytes"] if value.get("bytes") is not None else value.get("path")
+def _media_bytes(value: Any) -> Any:
+    """``value`` (bytes, a ``{"bytes", "path"}`` dict or a path) as bytes, the file read once; anything else as
+    it is (``ClipGeometry`` reports what it cannot decode)."""
+    value = _unwrap(value)
     if isinstance(value, str | Path):
         with open(value, "rb") as fh:
-            value = fh.read()
-    if isinstance(value, bytes | bytearray) and value[:3] == b"\xff\xd8\xff":
-        return bytes(value)
-    return None
+            return fh.read()
+    return value
 
 
 class JpegItem(NamedTuple):
@@ -254,11 +262,12 @@ class ClipDeviceGeometry:
         self._checked = False  # check_decoder has decoded on the device
 
     def __call__(self, value: Any) -> JpegItem | torch.Tensor:
-        data = _jpeg_bytes(value)
-        size = None if data is None else device_decodable(data)
-        if data is not None and size is not None:
+        data = _media_bytes(value)
+        is_jpeg = isinstance(data, bytes | bytearray) and data[:3] == b"\xff\xd8\xff"
+        size = device_decodable(data) if is_jpeg else None
+        if size is not None:
             return JpegItem(bytearray(data), *size)
-        return self.cpu(value)
+        return self.cpu(data)  # the bytes already read: the file is not opened twice
 
     def decode_jpegs(self, datas: list[bytearray], device: torch.device) -> list[torch.Tensor]:
         """uint8 [3, h, w] images on ``device``, decoded by nvjpeg in one batched call."""
@@ -281,17 +290,17 @@ class ClipDeviceGeometry:
     def resize_crop(self, images: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """uint8 [B, 3, crop_h, crop_w] of uint8 [3, h, w] images of any sizes: ``ClipGeometry``'s resize and
         crop (without its DCT-scaled decode) as a batched product, in float32 without TF32, rounded."""
-        (ch, cw), edge = self.cpu.crop, self.cpu.shortest_edge
+        ch, cw = self.cpu.crop
         height, width = max(i.shape[1] for i in images), max(i.shape[2] for i in images)
         x = torch.zeros((len(images), 3, height, width), dtype=torch.float32, device=device)
         rows = torch.zeros((len(images), ch, height), dtype=torch.float32, device=device)
         cols = torch.zeros((len(images), cw, width), dtype=torch.float32, device=device)
         for i, image in enumerate(images):
             _, h, w = image.shape
-            out_w, out_h = (edge, int(edge * h / w)) if w <= h else (int(edge * w / h), edge)
+            (out_w, out_h), top, left = self.cpu.placement(w, h)
             x[i, :, :h, :w] = image
-            rows[i, :, :h] = self.weights(h, out_h, (out_h - ch) // 2, ch, device)
-            cols[i, :, :w] = self.weights(w, out_w, (out_w - cw) // 2, cw, device)
+            rows[i, :, :h] = self.weights(h, out_h, top, ch, device)
+            cols[i, :, :w] = self.weights(w, out_w, left, cw, device)
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would move pixels by up to a level
         try:
