@@ -76,6 +76,8 @@
 #   bash benchmarks/h200_issue14.sh prepare14b # the GPU tests; stitch prepare on 16,384 JPEGs with 3 and 7 decode workers,
 #                                             # decode device / cpu; the device path under cProfile
 #   bash benchmarks/h200_issue14.sh gputests14 # the final code's GPU tests (nvjpeg decode, side stream)
+#   bash benchmarks/h200_issue14.sh prepare15  # the encode thread and path hand-over against 2b80d5b, one host:
+#                                             # 16k at 15 and 3 workers, 64k; carry .whl-demo .whl-pydantic
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -539,6 +541,34 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     install_datasets
     timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
       -k "on_a_gpu or device" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    ;;
+  prepare15)  # round 15: a shard encodes on its own thread while the main thread gathers the next, and a JPEG the
+    # workers read from a file travels to the device path as its path (not 65 KB through the pipe); new code against
+    # 2b80d5b's prepare.py + encoder.py (.bench-old/*_2b80d5b.py), alternating on one host; GPU tests first
+    install_datasets
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
+      tests/test_prepare_workers.py -k "on_a_gpu or device or gathered" 2>&1 | tee "$OUT/gpu_tests.log" \
+      | grep -E "passed|failed|Error" | cut -c1-400
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    mkdir -p /tmp/new && cp stitch/data/prepare.py stitch_clip/encoder.py /tmp/new/
+    for run in "new 15 device 16384" "old 15 device 16384" "new 15 cpu 16384" "old 15 cpu 16384" \
+               "new 3 device 16384" "old 3 device 16384" "new 15 device 65536" "new 15 cpu 65536" \
+               "old 15 device 65536"; do
+      set -- $run
+      if [ "$1" = old ]; then
+        cp .bench-old/prepare_2b80d5b.py stitch/data/prepare.py; cp .bench-old/encoder_2b80d5b.py stitch_clip/encoder.py
+      else
+        cp /tmp/new/prepare.py stitch/data/prepare.py; cp /tmp/new/encoder.py stitch_clip/encoder.py
+      fi
+      [ $SECONDS -lt 500 ] && timeout $((585 - SECONDS)) python3 benchmarks/prepare_stitch.py --images $4 \
+        --workers $2 --decode $3 --skip-encode --name prepare_stitch_round15_$4_w$2_$3_$1 --out /tmp/r15 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-330
+    done
+    cp /tmp/new/prepare.py stitch/data/prepare.py; cp /tmp/new/encoder.py stitch_clip/encoder.py
+    # one JSON for all the runs (a call returns at most 8 files)
+    python3 -c "import glob, json, os; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in \
+      sorted(glob.glob('/tmp/r15/*.json'))}, open('$OUT/prepare_stitch_round15.json', 'w'), indent=1)"
     ;;
   prepare11c)  # which thread holds the GIL while prepare runs (py-spy samples only those), and the per-row cut timed
     install_datasets

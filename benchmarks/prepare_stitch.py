@@ -268,6 +268,7 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         "compiled": recipe.data.prepare.compiles(device, n), "encode_batch_size": recipe.data.encode_batch_size,
         "shard_rows": recipe.data.shard_rows, "retained_mib": round(report.retained_bytes / 2**20, 1),
         "phase_seconds": getattr(report, "phase_seconds", None), "worker_seconds": getattr(report, "worker_seconds", None),
+        "encode_seconds": getattr(report, "encode_seconds", None),
         "main_cpu_s": round(cpu, 2), "media_chunks": getattr(report, "media_chunks", None),
         "decode": recipe.data.prepare.decode, "preprocess": preprocess_identity(host, recipe, device),
         "model_tokenizer_ready_s": round(model_ready_s, 2),
@@ -275,10 +276,14 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
                                 "timed call, as a user's model is downloaded before `stitch prepare`; not included",
     }
     phases = result["phase_seconds"]
-    if phases:  # the main process's own work per row: not start-up, not waiting for workers or the encoder
-        waits = ("tokenizer_load", "workers_start", "stream_open", "startup", "media_wait", "encoder_load")
+    if phases:  # the main thread's own work per row: not start-up, not waiting for workers, encoder or writer
+        waits = ("tokenizer_load", "workers_start", "stream_open", "startup", "media_wait", "encoder_load",
+                 "encode_wait", "write_wait")
         own = phases["total"] - sum(phases.get(k, 0.0) for k in waits)
         result["main_ms_per_row"] = round(own / max(report.total_rows, 1) * 1e3, 4)
+        encoding = result["encode_seconds"] or {}
+        if "encode" in encoding:  # the encode thread's (a shard encodes while the main thread gathers the next)
+            result["encode_thread_ms_per_row"] = round(encoding["encode"] / max(report.total_rows, 1) * 1e3, 4)
     if profile is not None:
         import io
         import pstats
@@ -491,9 +496,13 @@ def project(result: dict, workers: int) -> dict:
     rows = result["images"]
     worker_s = sum(result["worker_seconds"].values()) / rows
     main_s = result["main_ms_per_row"] / 1e3
+    encode_s = result.get("encode_thread_ms_per_row", 0.0) / 1e3
+    bounds = [workers / worker_s, 1 / main_s] + ([1 / encode_s] if encode_s else [])
     return {"workers": workers, "worker_ms_per_row": round(worker_s * 1e3, 4),
             "main_ms_per_row": result["main_ms_per_row"], "workers_bound_images_per_s": round(workers / worker_s),
-            "main_bound_images_per_s": round(1 / main_s), "images_per_s": round(min(workers / worker_s, 1 / main_s))}
+            "main_bound_images_per_s": round(1 / main_s),
+            "encode_thread_bound_images_per_s": round(1 / encode_s) if encode_s else None,
+            "images_per_s": round(min(bounds))}
 
 
 def main() -> None:

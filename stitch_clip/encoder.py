@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -210,11 +211,24 @@ def _media_bytes(value: Any) -> Any:
 
 
 class JpegItem(NamedTuple):
-    """A JPEG handed from a worker to the device: its bytes, and its size from the headers (to chunk by pixels)."""
+    """A JPEG handed from a worker to the device: its bytes, or the path of the file holding them, and its size
+    from the headers (to chunk by pixels). A file's path (one the worker confined, read and checked) travels
+    instead of its bytes: reading a 65 KB file again took less of the main process than receiving its bytes
+    through the worker's pipe (1 GB for 16k photos, unpickled while holding the interpreter lock)."""
 
-    data: bytearray
+    data: bytearray | str
     width: int
     height: int
+
+    def read(self) -> bytearray:
+        """The JPEG's bytes (the file read into a buffer of its own: nvjpeg's input tensor views it)."""
+        if not isinstance(self.data, str):
+            return self.data
+        with open(self.data, "rb") as fh:
+            data = bytearray(os.fstat(fh.fileno()).st_size)
+            if fh.readinto(data) != len(data):
+                raise OSError(f"{self.data} changed size while it was read")
+            return data
 
 
 def device_decodable(data: bytes) -> tuple[int, int] | None:
@@ -266,7 +280,8 @@ class ClipDeviceGeometry:
         is_jpeg = isinstance(data, bytes | bytearray) and data[:3] == b"\xff\xd8\xff"
         size = device_decodable(data) if is_jpeg else None
         if size is not None:
-            return JpegItem(bytearray(data), *size)
+            source = _unwrap(value)  # a path when the value had no bytes of its own: the path travels
+            return JpegItem(str(source) if isinstance(source, str | Path) else bytearray(data), *size)
         return self.cpu(data)  # the bytes already read: the file is not opened twice
 
     def decode_jpegs(self, datas: list[bytearray], device: torch.device) -> list[torch.Tensor]:
@@ -328,11 +343,11 @@ class ClipDeviceGeometry:
         """The JPEGs ``at`` decoded in one nvjpeg call and resized; if nvjpeg refuses the batch, each alone, and
         one it refuses alone goes through the CPU geometry (as a worker would have run it)."""
         try:
-            return self.resize_crop(self.decode_jpegs([items[i].data for i in at], device), device)
+            return self.resize_crop(self.decode_jpegs([items[i].read() for i in at], device), device)
         except RuntimeError:
             if len(at) > 1:
                 return torch.cat([self.finish(items, [i], device) for i in at])
-            return self.cpu(bytes(items[at[0]].data))[None].to(device)
+            return self.cpu(items[at[0]].data)[None].to(device)
 
     def check_decoder(self, device: torch.device) -> None:
         """Decode one small JPEG on ``device`` once: a torchvision without a working nvjpeg fails here, with what

@@ -87,9 +87,13 @@ def test_the_worker_hands_over_only_whole_upright_rgb_jpegs_and_decodes_the_rest
     jpeg = photo_bytes(500, 375, "JPEG", seed=1)
     item = geometry(jpeg)
     assert isinstance(item, JpegItem) and bytes(item.data) == jpeg and (item.width, item.height) == (500, 375)
+    assert geometry({"bytes": jpeg, "path": "ignored.jpg"}) == item  # bytes win over a path, as everywhere
     path = tmp_path / "photo.jpg"
     path.write_bytes(jpeg)
-    assert geometry(str(path)) == item == geometry({"bytes": None, "path": str(path)})
+    # a file's path travels instead of its bytes (no 65 KB through the pipe), and reads back to the same bytes
+    by_path = geometry(str(path))
+    assert by_path == JpegItem(str(path), 500, 375) == geometry({"bytes": None, "path": str(path)})
+    assert by_path.read() == item.read() == bytearray(jpeg)
 
     png = photo_bytes(500, 375, "PNG", seed=1)
     grey, rotated = io.BytesIO(), io.BytesIO()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stitch.config.recipe import load_recipe
-from stitch.data.prepare import PhaseClock, PrepareError, PromptCheck, prepare
+from stitch.data.prepare import ENCODE_PHASES, PhaseClock, PrepareError, PromptCheck, prepare
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
@@ -118,9 +118,11 @@ def test_report_phase_seconds_name_every_phase_and_add_up_to_the_whole_call(tmp_
     assert set(phases) == {*PhaseClock.PHASES, "total"}
     assert report.seconds <= phases["total"] <= elapsed
     assert sum(v for k, v in phases.items() if k != "total") == pytest.approx(phases["total"], abs=0.01)
-    assert phases["startup"] > 0 and phases["encode"] > 0 and phases["media_wait"] > 0
+    assert phases["startup"] > 0 and phases["media_wait"] > 0
+    assert set(report.encode_seconds) == set(ENCODE_PHASES) and report.encode_seconds["encode"] > 0
     written = json.loads((tmp_path / "out" / "prepare-report.json").read_text())
     assert written["phase_seconds"] == phases and written["worker_seconds"] == report.worker_seconds
+    assert written["encode_seconds"] == report.encode_seconds
 
 
 def test_phase_clock_pauses_the_outer_phase_while_an_inner_one_runs():
@@ -211,3 +213,69 @@ def test_a_fresh_run_warms_the_encoder_up_in_its_loader_thread_before_the_first_
     assert kinds[0] == "warm_up" and kinds.count("warm_up") == 1 and "encode" in kinds
     assert events[0][1].startswith("stitch-encoder-load") and events[0][2] == recipe.data.encode_batch_size
     assert all(not thread.startswith("stitch-encoder-load") for kind, thread, _ in events if kind == "encode")
+
+
+def test_the_next_shard_is_gathered_while_the_encode_thread_encodes_one(tmp_path, host_module):
+    """The first shard's encode waits until the main thread has gathered the whole second shard (it has taken the
+    first row of the third): with the encode on the main thread that row could never be taken, and the encode
+    would give up waiting at the timeout. The output is the same bytes as a run whose encoder never waits."""
+    import threading
+
+    from test_prepare import dir_snapshot
+
+    from stitch.data import prepare as prep
+
+    inner = host_module.get("encoders", ENCODER)
+    recipe = load_recipe(write_recipe(tmp_path, prepare={"workers": 1}))
+    shard_rows = recipe.data.shard_rows
+    second_shard_gathered = threading.Event()
+    waited: list[bool] = []
+
+    class Waiting:
+        def __init__(self, encoder) -> None:
+            self.encoder = encoder
+
+        def encode(self, items):
+            if not waited:
+                waited.append(second_shard_gathered.wait(timeout=30))
+            return self.encoder.encode(items)
+
+    original = prep._Preparation.valid_rows
+
+    def valid_rows(self, stream, pool=None):
+        for ordinal, row in enumerate(original(self, stream, pool)):
+            if ordinal >= 2 * shard_rows:
+                second_shard_gathered.set()
+            yield row
+
+    host = _EncoderHost(host_module, lambda source, device, dtype: Waiting(inner.load(source, device, dtype)))
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(prep._Preparation, "valid_rows", valid_rows)
+        report = prepare(recipe, tmp_path / "out", host=host, progress=False)
+    finally:
+        mp.undo()
+    assert waited == [True] and report.shards_encoded == 4
+    prepare(recipe, tmp_path / "plain", host=host_module, progress=False)
+    assert dir_snapshot(tmp_path / "out") == dir_snapshot(tmp_path / "plain")
+
+
+def test_an_encoder_answering_the_wrong_shape_stops_the_run_naming_the_rows_and_shapes_and_writes_no_manifest(
+        tmp_path, host_module):
+    inner = host_module.get("encoders", ENCODER)
+
+    class Short:
+        def __init__(self, encoder) -> None:
+            self.encoder = encoder
+
+        def encode(self, items):
+            return self.encoder.encode(items)[:, :-1]
+
+    host = _EncoderHost(host_module, lambda source, device, dtype: Short(inner.load(source, device, dtype)))
+    recipe = load_recipe(write_recipe(tmp_path, prepare={"workers": 1}))
+    with pytest.raises(PrepareError, match=r"returned features of shape \(\d+, \d+, \d+\) for rows \S+\.\.\S+; its "
+                                           r"spec declares"):
+        prepare(recipe, tmp_path / "out", host=host, progress=False)
+    assert not (tmp_path / "out" / "manifest.jsonl").exists()
+    assert not list((tmp_path / "out").rglob("*.safetensors"))
+    assert json.loads((tmp_path / "out" / "prepare-report.json").read_text())["complete"] is False

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -114,6 +115,8 @@ class PrepareReport:
     # the decode work took, summed over chunks in whichever process ran them (worker seconds overlap each other)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     worker_seconds: dict[str, float] = field(default_factory=dict)
+    # seconds of the encode thread, which encodes a shard while the main thread gathers the next (ENCODE_PHASES)
+    encode_seconds: dict[str, float] = field(default_factory=dict)
     # how the decode workers' stacked media reached this process, in chunks: written into a shared slot mapped once
     # per run, or as a shared-memory segment of its own (no slot free or none fits, or no item shape declared)
     media_chunks: dict[str, int] = field(default_factory=dict)
@@ -146,6 +149,14 @@ class _ScannedRow:
     values: list[Any] = field(default_factory=list)
 
 
+ENCODE_PHASES = {
+    "encoder_load": "waiting for the encoder to load (it loads in a thread from the start of a fresh run) and, "
+                    "when it compiles, compiling it",
+    "encode": "stacking a shard's items (or the encoder's device_batch), host to device, the encoder, features "
+              "back to the host",
+}
+
+
 class PhaseClock:
     """Where the main process spends a run's wall time: ``with clock(phase)`` adds the time inside to ``phase``;
     a phase entered inside another pauses the outer one, so the phases never count a second twice."""
@@ -157,8 +168,8 @@ class PhaseClock:
         "startup": "the rest of start-up: the encoder's preprocessing config, the writer and the encoder's loader",
         "scan": "reading rows from the stream and checking their text columns",
         "media_wait": "waiting for workers' tokenized and decoded rows (with 0 workers: doing that work)",
-        "encoder_load": "waiting for the encoder to load (it loads in a thread from the start of a fresh run)",
-        "encode": "stacking a shard's items, host to device, the encoder, features back to the host",
+        "encode_wait": "waiting for the encode thread to finish the shard before the one just gathered "
+                       "(its own seconds: the report's encode_seconds)",
         "verify_reused": "hashing shards that already exist before reusing them",
         "write_wait": "waiting for the writer thread to finish a shard file",
         "manifest": "manifest lines of written shards",
@@ -808,6 +819,11 @@ class _Preparation:
         self._loading: Future | None = None  # the encoder, loading in a thread while the first rows decode
         self.writes: deque[tuple[str, list[_PendingRow], Future | str, int]] = deque()  # shards not yet in manifest
         self.writer: ThreadPoolExecutor | None = None
+        # one thread encodes a shard (and hands it to the writer) while this one gathers the next: on a GPU the
+        # encoder's own host work (nvjpeg's host half, launches) then overlaps the scanning and the workers' hand-over
+        self.encoding: ThreadPoolExecutor | None = None
+        self.encode_seconds = dict.fromkeys(ENCODE_PHASES, 0.0)  # added to by the encode thread only
+        self._bar = threading.Lock()  # the progress bar advances from both threads
         self.slots: SharedSlots | None = None
         self.media_chunks = {"shared_slot": 0, "own_segment": 0}
 
@@ -830,9 +846,11 @@ class _Preparation:
 
     @property
     def encoder(self) -> Any:
+        if self._encoder is not None and self._encoder_ready:
+            return self._encoder
+        started = time.perf_counter()
         if self._encoder is None:  # loaded only when a shard is missing: a full re-run never loads it
-            with self.clock("encoder_load"):
-                self._encoder = self._loading.result() if self._loading is not None else self.load_encoder()
+            self._encoder = self._loading.result() if self._loading is not None else self.load_encoder()
         if not self._encoder_ready:
             self._encoder_ready = True
             rows = sum(p.rows for p in self.data.partitions)
@@ -842,6 +860,7 @@ class _Preparation:
                                        f"compile(batch_size); encoder {self.spec.name!r} has none: set it to auto "
                                        f"or never")
                 self._encoder.compile(self.data.encode_batch_size)
+        self.encode_seconds["encoder_load"] += time.perf_counter() - started
         return self._encoder
 
     def retained(self) -> int:
@@ -1007,26 +1026,39 @@ class _Preparation:
             with self.clock("verify_reused"):
                 digest: Future | str = verified_shard_digest(path)  # a reused shard must still be the file written
             self.shards_reused += 1
-            bar.update(len(rows))
+            self.advance(bar, len(rows))
+            for row in rows:
+                row.media = []  # the decoded items are not needed
             estimate = 0
         else:
             self.check_retained(n_items * self.item_bytes, f"with shard {name} ({rows[0].id}..{rows[-1].id})")
-            with self.clock("encode"):
-                features = self.encode(rows, bar)
-            assert self.writer is not None
-            digest = self.writer.submit(write_shard, path, features, {**self.identity, "items": n_items})
+            assert self.encoding is not None
+            digest = self.encoding.submit(self.encode_shard, rows, path, n_items, bar)
             self.shards_encoded += 1
             self.items_encoded += n_items
             estimate = n_items * self.item_bytes
-        for row in rows:
-            row.media = []  # the decoded items are no longer needed
         self.writes.append((name, rows, digest, estimate))
         self.record(manifest, keep=1)
+
+    def encode_shard(self, rows: list[_PendingRow], path: Path, n_items: int, bar: Any) -> Future:
+        """On the encode thread: the shard's features, handed to the writer thread; the writer's future."""
+        features = self.encode(rows, bar)
+        for row in rows:
+            row.media = []  # the decoded items are no longer needed (a shared slot is free once its views are gone)
+        assert self.writer is not None
+        return self.writer.submit(write_shard, path, features, {**self.identity, "items": n_items})
+
+    def advance(self, bar: Any, rows: int) -> None:
+        with self._bar:
+            bar.update(rows)
 
     def record(self, manifest: Any, keep: int = 0) -> None:
         """Manifest lines of the written shards, oldest first, leaving ``keep`` shards in flight."""
         while len(self.writes) > keep:
             name, rows, pending, _ = self.writes[0]
+            if isinstance(pending, Future):  # the encode thread's answer: the writer's future
+                with self.clock("encode_wait"):
+                    pending = pending.result()
             with self.clock("write_wait"):
                 digest = pending.result() if isinstance(pending, Future) else pending
             self.writes.popleft()
@@ -1064,6 +1096,14 @@ class _Preparation:
 
     def encode(self, rows: list[_PendingRow], bar: Any) -> torch.Tensor:
         """Features of every item of ``rows`` in order; the bar advances per row as its last item is done."""
+        encoder = self.encoder  # loads (or waits for) the encoder, into encode_seconds' own phase
+        started = time.perf_counter()
+        try:
+            return self._encode(encoder, rows, bar)
+        finally:
+            self.encode_seconds["encode"] += time.perf_counter() - started
+
+    def _encode(self, encoder: Any, rows: list[_PendingRow], bar: Any) -> torch.Tensor:
         items = [(row.id, item) for row in rows for item in row.media]
         row_ends = set(itertools.accumulate(len(row.media) for row in rows))
         expected = (self.spec.tokens_per_item, self.spec.feature_width)
@@ -1074,7 +1114,7 @@ class _Preparation:
         for start in range(0, len(items), step):
             batch = items[start : start + step]
             with torch.inference_mode():
-                features = self.encoder.encode(self.batch([item for _, item in batch]))
+                features = encoder.encode(self.batch([item for _, item in batch]))
             if tuple(features.shape) != (len(batch), *expected):
                 raise PrepareError(
                     f"encoder {self.spec.name!r} returned features of shape {tuple(features.shape)} for rows "
@@ -1082,7 +1122,7 @@ class _Preparation:
                 )
             with _one_host_thread():
                 out[start : start + len(batch)].copy_(features.detach(), non_blocking=features.is_cuda)
-            bar.update(sum(1 for end in row_ends if start < end <= start + len(batch)))
+            self.advance(bar, sum(1 for end in row_ends if start < end <= start + len(batch)))
         if self.pinned:
             torch.cuda.current_stream().synchronize()  # every copy into ``out`` has landed before it is written
         return out
@@ -1106,6 +1146,7 @@ class _Preparation:
                 self.slots = media_slots(self.preprocess, workers, self.data.shard_rows)
                 pool = media_pool(workers, self.decoder, self.slots)
             self.writer = ThreadPoolExecutor(1, thread_name_prefix="stitch-shard-writer")
+            self.encoding = ThreadPoolExecutor(1, thread_name_prefix="stitch-encode")
             self.preload_encoder()
         try:
             with self.clock("stream_open"):
@@ -1115,7 +1156,8 @@ class _Preparation:
                 for shard_rows in self.shards(self.valid_rows(stream, pool)):
                     self.flush(shard_rows, manifest, bar)
                     self.check_transient(tmp)
-                    bar.set_postfix(encoded=self.shards_encoded, reused=self.shards_reused, refresh=False)
+                    with self._bar:
+                        bar.set_postfix(encoded=self.shards_encoded, reused=self.shards_reused, refresh=False)
                 self.record(manifest)
             self.check_transient(tmp)
             os.replace(manifest_tmp, manifest_path)
@@ -1126,7 +1168,10 @@ class _Preparation:
             })
             raise
         finally:
-            self.writer.shutdown(wait=True)  # a shard being written is finished (or its temp file removed)
+            # a shard being encoded is finished and handed to the writer (those queued behind it are dropped), then
+            # a shard being written is finished (or its temp file removed)
+            self.encoding.shutdown(wait=True, cancel_futures=True)
+            self.writer.shutdown(wait=True)
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1156,6 +1201,7 @@ class _Preparation:
                         "recipe_sha256": self.recipe.digest},
             phase_seconds=self.clock.report(),
             worker_seconds={k: round(v, 4) for k, v in self.worker_seconds.items()},
+            encode_seconds={k: round(v, 4) for k, v in self.encode_seconds.items()},
             media_chunks=dict(self.media_chunks),
         )
         _write_json_atomic(self.out_dir / REPORT_NAME, dataclasses.asdict(report))
