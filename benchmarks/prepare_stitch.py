@@ -253,8 +253,25 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
 
         profile = cProfile.Profile()
         profile.enable()
+    import stitch.data.prepare as prepare_module
+
+    shards: list[tuple[float, float]] = []  # when each shard's encode began and ended on the encode thread
+    encode_shard = getattr(prepare_module._Preparation, "encode_shard", None)
+    if encode_shard is not None:  # the code before the encode thread has none
+        def timed_shard(self, *a, **k):
+            began = time.perf_counter()
+            try:
+                return encode_shard(self, *a, **k)
+            finally:
+                shards.append((began, time.perf_counter()))
+
+        prepare_module._Preparation.encode_shard = timed_shard
     t0, cpu0 = time.perf_counter(), time.process_time()
-    report = prepare(recipe, out, host=host, device=device, progress=False)
+    try:
+        report = prepare(recipe, out, host=host, device=device, progress=False)
+    finally:
+        if encode_shard is not None:
+            prepare_module._Preparation.encode_shard = encode_shard
     total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if profile is not None:
         profile.disable()
@@ -269,6 +286,7 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         "shard_rows": recipe.data.shard_rows, "retained_mib": round(report.retained_bytes / 2**20, 1),
         "phase_seconds": getattr(report, "phase_seconds", None), "worker_seconds": getattr(report, "worker_seconds", None),
         "encode_seconds": getattr(report, "encode_seconds", None),
+        "shard_encodes_s": [[round(a - t0, 3), round(b - t0, 3)] for a, b in shards],
         "main_cpu_s": round(cpu, 2), "media_chunks": getattr(report, "media_chunks", None),
         "decode": recipe.data.prepare.decode, "preprocess": preprocess_identity(host, recipe, device),
         "model_tokenizer_ready_s": round(model_ready_s, 2),

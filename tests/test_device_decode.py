@@ -250,6 +250,36 @@ def test_prepare_through_the_device_path_encodes_what_device_batch_makes_with_or
     assert len(cpu_shards) == len(device_shards) == 3 and cpu_shards.isdisjoint(device_shards)
 
 
+def test_a_fresh_device_run_warms_the_decoder_up_in_the_loader_thread_before_the_first_device_batch(
+        tmp_path, host, monkeypatch):
+    """nvjpeg's set-up (``warm_up``: one JPEG decoded and resized) runs in the encoder's loader thread, before the
+    encode thread's first ``device_batch``, so the first shard does not pay for it; its check leaves nothing to
+    decode again on the first batch."""
+    import threading
+
+    events: list[tuple[str, str]] = []
+    geometry = device_geometry(monkeypatch)
+    warm_up, device_batch, check = geometry.warm_up, geometry.device_batch, geometry.check_decoder
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            events.append((name, threading.current_thread().name))
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(geometry, "warm_up", recording("warm_up", warm_up))
+    monkeypatch.setattr(geometry, "device_batch", recording("device_batch", device_batch))
+    monkeypatch.setattr(geometry, "check_decoder", recording("check_decoder", check))
+    monkeypatch.setattr(ClipGeometry, "on_device", lambda self, device: geometry)
+    jpeg_rows(tmp_path, 10)
+    prepare(jpeg_recipe(tmp_path, 1), tmp_path / "out", host=host, progress=False)
+    assert events[0][0] == "warm_up" and events[0][1].startswith("stitch-encoder-load")
+    assert events[1] == ("check_decoder", events[0][1])  # the warm-up decoded: the check is done
+    first_batch = next(i for i, (name, _) in enumerate(events) if name == "device_batch")
+    assert first_batch > 1 and events[first_batch][1].startswith("stitch-encode")
+    assert geometry._checked
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="nvjpeg decodes on a CUDA device")
 def test_on_a_gpu_nvjpeg_pixels_stay_near_the_workers_and_its_features_near_theirs(host):
     pytest.importorskip("torchvision", reason="nvjpeg comes through torchvision")

@@ -152,8 +152,9 @@ class _ScannedRow:
 ENCODE_PHASES = {
     "encoder_load": "waiting for the encoder to load (it loads in a thread from the start of a fresh run) and, "
                     "when it compiles, compiling it",
-    "encode": "stacking a shard's items (or the encoder's device_batch), host to device, the encoder, features "
-              "back to the host",
+    "inputs": "making each encoder call's input: stacking a batch's items, or the preprocessing's device_batch "
+              "(CLIP's: nvjpeg decode and resize on the GPU)",
+    "encode": "the encoder (host to device, the tower), features back to the host",
 }
 
 
@@ -829,10 +830,14 @@ class _Preparation:
 
     def load_encoder(self, warm: bool = False) -> Any:
         """The encoder; ``warm``: also run its optional ``warm_up(batch_size)`` (CUDA context, library handles and
-        kernels of the first batch), which the loader thread does so the first shard's encode does not wait for it."""
+        kernels of the first batch) and the device preprocessing's ``warm_up(device)`` (CLIP's: nvjpeg's decoder,
+        the resize's GEMMs), which the loader thread does so the first shard's encode does not wait for them."""
         encoder = self.spec.load(self.spec.source, self.device, self.dtype)
         if warm and callable(getattr(encoder, "warm_up", None)):
             encoder.warm_up(self.data.encode_batch_size)
+        if warm and callable(getattr(self.preprocess, "device_batch", None)) and \
+                callable(warm_inputs := getattr(self.preprocess, "warm_up", None)):
+            warm_inputs(self.device)
         return encoder
 
     def preload_encoder(self) -> None:
@@ -1098,10 +1103,11 @@ class _Preparation:
         """Features of every item of ``rows`` in order; the bar advances per row as its last item is done."""
         encoder = self.encoder  # loads (or waits for) the encoder, into encode_seconds' own phase
         started = time.perf_counter()
+        inputs = self.encode_seconds["inputs"]
         try:
             return self._encode(encoder, rows, bar)
-        finally:
-            self.encode_seconds["encode"] += time.perf_counter() - started
+        finally:  # the rest of the thread's time here, the inputs' own already counted
+            self.encode_seconds["encode"] += time.perf_counter() - started - (self.encode_seconds["inputs"] - inputs)
 
     def _encode(self, encoder: Any, rows: list[_PendingRow], bar: Any) -> torch.Tensor:
         items = [(row.id, item) for row in rows for item in row.media]
@@ -1113,8 +1119,11 @@ class _Preparation:
         step = self.data.encode_batch_size
         for start in range(0, len(items), step):
             batch = items[start : start + step]
+            made = time.perf_counter()
             with torch.inference_mode():
-                features = encoder.encode(self.batch([item for _, item in batch]))
+                pixels = self.batch([item for _, item in batch])
+                self.encode_seconds["inputs"] += time.perf_counter() - made
+                features = encoder.encode(pixels)
             if tuple(features.shape) != (len(batch), *expected):
                 raise PrepareError(
                     f"encoder {self.spec.name!r} returned features of shape {tuple(features.shape)} for rows "
