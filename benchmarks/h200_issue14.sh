@@ -99,6 +99,22 @@ install_datasets() {
   python3 -c "import huggingface_hub as h, sys; sys.exit(tuple(map(int, h.__version__.split('.')[:2])) < (1, 31))" \
     || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-demo/hub/*.whl
 }
+# prepare.py + encoder.py of a variant (round 15): new (the checkout's own, kept in /tmp/new at the first call), old
+# (2b80d5b) or a0 (a0a4351), the last two from their copies in .bench-old/
+use_code() {
+  [ -d /tmp/new ] || { mkdir -p /tmp/new && cp stitch/data/prepare.py stitch_clip/encoder.py /tmp/new/; }
+  local from=/tmp/new/prepare.py enc=/tmp/new/encoder.py
+  case $1 in
+    old) from=.bench-old/prepare_2b80d5b.py enc=.bench-old/encoder_2b80d5b.py ;;
+    a0) from=.bench-old/prepare_a0a4351.py enc=.bench-old/encoder_a0a4351.py ;;
+  esac
+  cp "$from" stitch/data/prepare.py; cp "$enc" stitch_clip/encoder.py
+}
+# the run JSONs in folder $1 as one file, $OUT/$2.json (a call returns at most 8 files)
+merge_json() {
+  python3 -c "import glob, json, os, sys; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in \
+    sorted(glob.glob(sys.argv[1] + '/*.json'))}, open(sys.argv[2], 'w'), indent=1)" "$1" "$OUT/$2.json"
+}
 # the encoder's side-stream GPU test, then again with the tower no longer waiting for its chunk's copy (must fail)
 side_stream_test_and_mutation() {
   timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
@@ -554,24 +570,17 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       | grep -E "passed|failed|Error" | cut -c1-400
     timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
       > /dev/null 2>&1
-    mkdir -p /tmp/new && cp stitch/data/prepare.py stitch_clip/encoder.py /tmp/new/
     for run in "new 15 device 16384" "old 15 device 16384" "new 15 cpu 16384" "old 15 cpu 16384" \
                "new 3 device 16384" "old 3 device 16384" "new 15 device 65536" "new 15 cpu 65536" \
                "old 15 device 65536"; do
       set -- $run
-      if [ "$1" = old ]; then
-        cp .bench-old/prepare_2b80d5b.py stitch/data/prepare.py; cp .bench-old/encoder_2b80d5b.py stitch_clip/encoder.py
-      else
-        cp /tmp/new/prepare.py stitch/data/prepare.py; cp /tmp/new/encoder.py stitch_clip/encoder.py
-      fi
+      use_code "$1"
       [ $SECONDS -lt 500 ] && timeout $((585 - SECONDS)) python3 benchmarks/prepare_stitch.py --images $4 \
         --workers $2 --decode $3 --skip-encode --name prepare_stitch_round15_$4_w$2_$3_$1 --out /tmp/r15 2>&1 \
         | grep -E "^prepare|Error" | cut -c1-330
     done
-    cp /tmp/new/prepare.py stitch/data/prepare.py; cp /tmp/new/encoder.py stitch_clip/encoder.py
-    # one JSON for all the runs (a call returns at most 8 files)
-    python3 -c "import glob, json, os; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in \
-      sorted(glob.glob('/tmp/r15/*.json'))}, open('$OUT/prepare_stitch_round15.json', 'w'), indent=1)"
+    use_code new
+    merge_json /tmp/r15 prepare_stitch_round15
     ;;
   prepare15b)  # the encode thread's own split (encode_seconds: inputs = device_batch or stacking, encode = the
     # tower) and when each shard's encode ran (shard_encodes_s), new code only
@@ -584,54 +593,42 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
         --workers $1 --decode $2 --skip-encode --name prepare_stitch_round15b_$3_w$1_$2 --out /tmp/r15b 2>&1 \
         | grep -E "^prepare|Error" | cut -c1-200
     done
-    python3 -c "import glob, json, os; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in \
-      sorted(glob.glob('/tmp/r15b/*.json'))}, open('$OUT/prepare_stitch_round15b.json', 'w'), indent=1)"
+    merge_json /tmp/r15b prepare_stitch_round15b
     ;;
   prepare15c)  # the device preprocessing warmed up in the loader thread (nvjpeg, the resize's GEMMs) and the
     # resize's weights padded by pad_sequence: the resize against 2b80d5b's (bit for bit, time), the GPU tests, then
     # stitch prepare against a0a4351's prepare.py + encoder.py (.bench-old/*_a0a4351.py), alternating on one host
     install_datasets
-    python3 .bench-old/rc_check.py cuda 2>&1 | tee "$OUT/resize_crop_check.log"
+    python3 benchmarks/resize_crop_check.py --old .bench-old/encoder_2b80d5b.py --device cuda 2>&1 \
+      | tee "$OUT/resize_crop_check.log"
     timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
       -k "on_a_gpu or device" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
     timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
       > /dev/null 2>&1
-    mkdir -p /tmp/new && cp stitch/data/prepare.py stitch_clip/encoder.py /tmp/new/
     for run in "new 15 device 16384" "a0 15 device 16384" "new 7 device 16384" "a0 7 device 16384" \
                "new 15 device 65536" "a0 15 device 65536" "new 15 cpu 16384"; do
       set -- $run
-      if [ "$1" = a0 ]; then
-        cp .bench-old/prepare_a0a4351.py stitch/data/prepare.py; cp .bench-old/encoder_a0a4351.py stitch_clip/encoder.py
-      else
-        cp /tmp/new/prepare.py stitch/data/prepare.py; cp /tmp/new/encoder.py stitch_clip/encoder.py
-      fi
+      use_code "$1"
       [ $SECONDS -lt 480 ] && timeout $((585 - SECONDS)) python3 benchmarks/prepare_stitch.py --images $4 \
         --workers $2 --decode $3 --skip-encode --name prepare_stitch_round15c_$4_w$2_$3_$1 --out /tmp/r15c 2>&1 \
         | grep -E "^prepare|Error" | cut -c1-200
     done
-    cp /tmp/new/prepare.py stitch/data/prepare.py; cp /tmp/new/encoder.py stitch_clip/encoder.py
-    python3 -c "import glob, json, os; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in \
-      sorted(glob.glob('/tmp/r15c/*.json'))}, open('$OUT/prepare_stitch_round15c.json', 'w'), indent=1)"
+    use_code new
+    merge_json /tmp/r15c prepare_stitch_round15c
     ;;
   prepare15d)  # prepare15c's 64k pair reversed its 16k pairs: the three codes again, in another order, one host
     install_datasets
     timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
       > /dev/null 2>&1
-    mkdir -p /tmp/new && cp stitch/data/prepare.py stitch_clip/encoder.py /tmp/new/
     for run in "a0 65536" "new 65536" "old 65536" "new 16384" "a0 16384" "old 16384"; do
       set -- $run
-      case $1 in
-        a0) cp .bench-old/prepare_a0a4351.py stitch/data/prepare.py; cp .bench-old/encoder_a0a4351.py stitch_clip/encoder.py ;;
-        old) cp .bench-old/prepare_2b80d5b.py stitch/data/prepare.py; cp .bench-old/encoder_2b80d5b.py stitch_clip/encoder.py ;;
-        *) cp /tmp/new/prepare.py stitch/data/prepare.py; cp /tmp/new/encoder.py stitch_clip/encoder.py ;;
-      esac
+      use_code "$1"
       [ $SECONDS -lt 260 ] && timeout $((330 - SECONDS)) python3 benchmarks/prepare_stitch.py --images $2 \
         --decode device --skip-encode --name prepare_stitch_round15d_$2_device_$1 --out /tmp/r15d 2>&1 \
         | grep -E "^prepare|Error" | cut -c1-120
     done
-    cp /tmp/new/prepare.py stitch/data/prepare.py; cp /tmp/new/encoder.py stitch_clip/encoder.py
-    python3 -c "import glob, json, os; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in \
-      sorted(glob.glob('/tmp/r15d/*.json'))}, open('$OUT/prepare_stitch_round15d.json', 'w'), indent=1)"
+    use_code new
+    merge_json /tmp/r15d prepare_stitch_round15d
     ;;
   prepare11c)  # which thread holds the GIL while prepare runs (py-spy samples only those), and the per-row cut timed
     install_datasets
