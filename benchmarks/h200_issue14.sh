@@ -81,6 +81,7 @@
 #   bash benchmarks/h200_issue14.sh prepare15b # the encode thread's split and shard timeline, new code only
 #   bash benchmarks/h200_issue14.sh prepare15c # the device preprocessing's warm-up against a0a4351, one host
 #   bash benchmarks/h200_issue14.sh prepare15d # 2b80d5b, a0a4351 and the final code at 64k and 16k, device decode
+#   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
 set -uo pipefail
@@ -629,6 +630,13 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     done
     use_code new
     merge_json /tmp/r15d prepare_stitch_round15d
+    ;;
+  loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
+    install_datasets
+    for run in a b; do
+      timeout 60 python3 benchmarks/prepare_stitch.py --loader-breakdown --name loader_round15_$run --out "$OUT" 2>&1 \
+        | grep -E "^loader|Error" | cut -c1-300
+    done
     ;;
   prepare11c)  # which thread holds the GIL while prepare runs (py-spy samples only those), and the per-row cut timed
     install_datasets

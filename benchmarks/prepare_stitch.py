@@ -507,6 +507,34 @@ def prev_encoder(path: str | None, spec, device: str, dtype: torch.dtype):
     return module.load_clip(spec.source, device, dtype)
 
 
+def loader_breakdown(spec, device: str, batch: int) -> dict:
+    """What prepare's encoder loader thread does, step by step in this fresh process with nothing beside it:
+    importing ``datasets`` (the main thread's ``stream_open`` does that meanwhile), the device's context, the
+    tower's ``load`` (``from_pretrained`` + cast + copy), its ``warm_up(batch)`` and the device preprocessing's
+    ``warm_up(device)``; seconds each, synchronised."""
+    def timed(fn) -> float:
+        started = time.perf_counter()
+        fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return round(time.perf_counter() - started, 3)
+
+    steps: dict[str, float] = {}
+    if device.startswith("cuda"):  # first: timed()'s synchronise would make the context inside the step before
+        steps["cuda_context"] = timed(lambda: torch.zeros(1, device=device))
+    steps["import_datasets"] = timed(lambda: __import__("datasets"))
+    steps["snapshot_ready"] = timed(lambda: spec.preprocess())  # builds the random snapshot once, reads its config
+    encoder: list[Any] = []
+    steps["load"] = timed(lambda: encoder.append(spec.load(spec.source, device, torch.bfloat16)))
+    steps["encoder_warm_up"] = timed(lambda: encoder[0].warm_up(batch))
+    on_device = getattr(spec.preprocess(), "on_device", None)
+    geometry = on_device(device) if callable(on_device) else None
+    if callable(getattr(geometry, "warm_up", None)):
+        steps["decoder_warm_up"] = timed(lambda: geometry.warm_up(device))
+    steps["load_again"] = timed(lambda: spec.load(spec.source, device, torch.bfloat16))  # imports and context paid
+    return steps
+
+
 def project(result: dict, workers: int) -> dict:
     """Images/s the pipeline allows with ``workers`` decode workers on cores like these: the slower of the
     workers (each row costs them ``worker_seconds`` / rows, run in parallel) and the main process (its own
@@ -564,6 +592,8 @@ def main() -> None:
     ap.add_argument("--profile-encode", action="store_true", help="each encode-only variant: one call under "
                     "torch.profiler, device time by kernel")
     ap.add_argument("--prev-encoder", default=None, help="an older stitch_clip/encoder.py, for the _prev variants")
+    ap.add_argument("--loader-breakdown", action="store_true", help="only time, in this fresh process, each step "
+                    "of prepare's encoder loader thread (loader_breakdown), then exit")
     args = ap.parse_args()
     if args.cpu_pipeline:
         args.skip_encode, args.compile = True, "never"
@@ -577,6 +607,12 @@ def main() -> None:
     args.compile_batches = [int(b) for b in str(args.compile_batches).split(",")]
     os.environ.setdefault("STITCH_CACHE", str(Path(args.scratch) / "stitch-cache"))  # the built snapshots
     log(f"device {device}; torch {torch.__version__}")
+    if args.loader_breakdown:
+        _, spec = bench_host(args.smoke)
+        steps = loader_breakdown(spec, device, args.encode_batch)
+        log(f"loader {steps}")
+        write_result(args.name, {"config": vars(args), "loader_seconds": steps}, args.out)
+        return
     host, spec = bench_host(args.smoke, null_tower=args.cpu_pipeline)
     if args.pil_resize:  # the forked workers inherit the switch
         import stitch_clip.encoder as clip_encoder
