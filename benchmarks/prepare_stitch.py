@@ -523,11 +523,11 @@ def loader_breakdown(spec, device: str, batch: int) -> dict:
     if device.startswith("cuda"):  # first: timed()'s synchronise would make the context inside the step before
         steps["cuda_context"] = timed(lambda: torch.zeros(1, device=device))
     steps["import_datasets"] = timed(lambda: __import__("datasets"))
-    steps["snapshot_ready"] = timed(lambda: spec.preprocess())  # builds the random snapshot once, reads its config
-    encoder: list[Any] = []
-    steps["load"] = timed(lambda: encoder.append(spec.load(spec.source, device, torch.bfloat16)))
-    steps["encoder_warm_up"] = timed(lambda: encoder[0].warm_up(batch))
-    on_device = getattr(spec.preprocess(), "on_device", None)
+    made: list[Any] = []  # the preprocessing, then the encoder
+    steps["snapshot_ready"] = timed(lambda: made.append(spec.preprocess()))  # builds the random snapshot once
+    steps["load"] = timed(lambda: made.append(spec.load(spec.source, device, torch.bfloat16)))
+    steps["encoder_warm_up"] = timed(lambda: made[1].warm_up(batch))
+    on_device = getattr(made[0], "on_device", None)
     geometry = on_device(device) if callable(on_device) else None
     if callable(getattr(geometry, "warm_up", None)):
         steps["decoder_warm_up"] = timed(lambda: geometry.warm_up(device))

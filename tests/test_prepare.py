@@ -541,3 +541,40 @@ def test_stream_rows_read_in_batches_are_the_rows_the_stream_yields_one_by_one(t
     assert list(stream_rows(stream, batch_size=4)) == one_by_one  # 10 rows: batches of 4, 4 and 2
     assert list(stream_rows(iter(one_by_one))) == one_by_one  # a plain iterable of rows passes through
     assert list(stream_rows(stream, batch_size=4))[:3] != one_by_one[1:4]  # order counts: the check can fail
+
+
+def test_no_shard_queued_behind_a_failed_encode_is_encoded_or_written(tmp_path, clip, host_module):
+    """The encode thread fails on shard 3 only once shard 4 is already queued behind it: shard 4 is not encoded and
+    not written, so the cache holds exactly the shards finished in order, as a synchronous run would leave it."""
+    import threading
+
+    from stitch.data import prepare as prep
+
+    recipe = load_recipe(write_recipe(tmp_path))  # 4 shards of 12 rows, encoded in batches of 6
+    fourth_queued = threading.Event()
+    killed = CountingEncoder(clip, fail_on_call=5)  # the first call of shard 3
+    encode = killed.encode
+
+    def waiting_encode(items):
+        if killed.calls == 4:  # this call is the fifth: shard 3's first
+            assert fourth_queued.wait(timeout=30), "shard 4 was never queued"
+        return encode(items)
+
+    killed.encode = waiting_encode
+    original = prep._Preparation.record
+
+    def record(self, manifest, keep=0):
+        if self.shards_encoded == 4:  # flush has queued shard 4's encode
+            fourth_queued.set()
+        return original(self, manifest, keep)
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(prep._Preparation, "record", record)
+        with pytest.raises(Killed):
+            prepare(recipe, tmp_path / "out", host=host_module, encoder=killed, progress=False)
+    finally:
+        mp.undo()
+    assert killed.calls == 5  # shards 1-2 (4 calls), then shard 3's failing one: nothing after it
+    assert len(list((tmp_path / "out" / CACHE_DIRNAME).glob("*.safetensors"))) == 2
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()

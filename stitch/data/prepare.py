@@ -823,6 +823,7 @@ class _Preparation:
         # one thread encodes a shard (and hands it to the writer) while this one gathers the next: on a GPU the
         # encoder's own host work (nvjpeg's host half, launches) then overlaps the scanning and the workers' hand-over
         self.encoding: ThreadPoolExecutor | None = None
+        self.encode_failed = False  # set by the encode thread: no shard after a failed one is encoded or written
         self.encode_seconds = dict.fromkeys(ENCODE_PHASES, 0.0)  # added to by the encode thread only
         self._bar = threading.Lock()  # the progress bar advances from both threads
         self.slots: SharedSlots | None = None
@@ -1046,8 +1047,17 @@ class _Preparation:
         self.record(manifest, keep=1)
 
     def encode_shard(self, rows: list[_PendingRow], path: Path, n_items: int, bar: Any) -> Future:
-        """On the encode thread: the shard's features, handed to the writer thread; the writer's future."""
-        features = self.encode(rows, bar)
+        """On the encode thread: the shard's features, handed to the writer thread; the writer's future. After a
+        shard whose encode failed, none is encoded: the main thread raises that failure when it reaches the shard,
+        and the shards queued behind it, already submitted, must not land in the cache meanwhile (a resume would
+        then reuse more than the run finished in order)."""
+        if self.encode_failed:
+            raise PrepareError(f"not encoded: an earlier shard's encode failed (rows {rows[0].id}..{rows[-1].id})")
+        try:
+            features = self.encode(rows, bar)
+        except BaseException:
+            self.encode_failed = True
+            raise
         for row in rows:
             row.media = []  # the decoded items are no longer needed (a shared slot is free once its views are gone)
         assert self.writer is not None
@@ -1102,14 +1112,7 @@ class _Preparation:
     def encode(self, rows: list[_PendingRow], bar: Any) -> torch.Tensor:
         """Features of every item of ``rows`` in order; the bar advances per row as its last item is done."""
         encoder = self.encoder  # loads (or waits for) the encoder, into encode_seconds' own phase
-        started = time.perf_counter()
-        inputs = self.encode_seconds["inputs"]
-        try:
-            return self._encode(encoder, rows, bar)
-        finally:  # the rest of the thread's time here, the inputs' own already counted
-            self.encode_seconds["encode"] += time.perf_counter() - started - (self.encode_seconds["inputs"] - inputs)
-
-    def _encode(self, encoder: Any, rows: list[_PendingRow], bar: Any) -> torch.Tensor:
+        started, inputs = time.perf_counter(), 0.0  # the thread's seconds here, and those making the inputs
         items = [(row.id, item) for row in rows for item in row.media]
         row_ends = set(itertools.accumulate(len(row.media) for row in rows))
         expected = (self.spec.tokens_per_item, self.spec.feature_width)
@@ -1119,10 +1122,10 @@ class _Preparation:
         step = self.data.encode_batch_size
         for start in range(0, len(items), step):
             batch = items[start : start + step]
-            made = time.perf_counter()
+            making = time.perf_counter()
             with torch.inference_mode():
                 pixels = self.batch([item for _, item in batch])
-                self.encode_seconds["inputs"] += time.perf_counter() - made
+                inputs += time.perf_counter() - making
                 features = encoder.encode(pixels)
             if tuple(features.shape) != (len(batch), *expected):
                 raise PrepareError(
@@ -1134,6 +1137,8 @@ class _Preparation:
             self.advance(bar, sum(1 for end in row_ends if start < end <= start + len(batch)))
         if self.pinned:
             torch.cuda.current_stream().synchronize()  # every copy into ``out`` has landed before it is written
+        self.encode_seconds["inputs"] += inputs
+        self.encode_seconds["encode"] += time.perf_counter() - started - inputs
         return out
 
     # -- whole run -------------------------------------------------------------------------------------
