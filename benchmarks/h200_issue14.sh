@@ -81,6 +81,7 @@
 #   bash benchmarks/h200_issue14.sh prepare15b # the encode thread's split and shard timeline, new code only
 #   bash benchmarks/h200_issue14.sh prepare15c # the device preprocessing's warm-up against a0a4351, one host
 #   bash benchmarks/h200_issue14.sh prepare15d # 2b80d5b, a0a4351 and the final code at 64k and 16k, device decode
+#   bash benchmarks/h200_issue14.sh prepare16  # the decoder's set-up beside the encoder's loader, against r15
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -108,6 +109,7 @@ use_code() {
   case $1 in
     old) from=.bench-old/prepare_2b80d5b.py enc=.bench-old/encoder_2b80d5b.py ;;
     a0) from=.bench-old/prepare_a0a4351.py enc=.bench-old/encoder_a0a4351.py ;;
+    r15) from=.bench-old/prepare_966957e.py enc=.bench-old/encoder_966957e.py ;;
   esac
   cp "$from" stitch/data/prepare.py; cp "$enc" stitch_clip/encoder.py
 }
@@ -630,6 +632,25 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     done
     use_code new
     merge_json /tmp/r15d prepare_stitch_round15d
+    ;;
+  prepare16)  # round 16: the decoder's set-up in its own thread beside the encoder's loader, and the first batch's
+    # input made before the encoder is waited for, against round 15's final code (r15, 966957e) on one host,
+    # alternating; the device-path GPU tests first
+    install_datasets
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
+      -k "gpu or device" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "r15 16384 a" "new 16384 a" "new 16384 b" "r15 16384 b" "r15 16384 c" "new 16384 c" "new 16384 d" \
+        "r15 16384 d" "new 65536 a" "r15 65536 a"; do
+      set -- $run
+      use_code "$1"
+      [ $SECONDS -lt 420 ] && timeout $((500 - SECONDS)) python3 benchmarks/prepare_stitch.py --images $2 \
+        --decode device --skip-encode --name prepare_stitch_round16_$2_$1_$3 --out /tmp/r16 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-120
+    done
+    use_code new
+    merge_json /tmp/r16 prepare_stitch_round16
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets

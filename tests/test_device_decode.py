@@ -250,34 +250,57 @@ def test_prepare_through_the_device_path_encodes_what_device_batch_makes_with_or
     assert len(cpu_shards) == len(device_shards) == 3 and cpu_shards.isdisjoint(device_shards)
 
 
-def test_a_fresh_device_run_warms_the_decoder_up_in_the_loader_thread_before_the_first_device_batch(
-        tmp_path, host, monkeypatch):
-    """nvjpeg's set-up (``warm_up``: one JPEG decoded and resized) runs in the encoder's loader thread, before the
-    encode thread's first ``device_batch``, so the first shard does not pay for it; its check leaves nothing to
-    decode again on the first batch."""
+def recorded_device_run(tmp_path, host, monkeypatch, hold_encoder_until: str):
+    """A fresh device-path run whose geometry records (call, thread) and whose encoder's ``warm_up`` (in the loader
+    thread, after ``load``) waits, for at most 20 s, until the geometry's ``hold_encoder_until`` call has begun:
+    whatever needs the loaded encoder first can then not have happened yet. Returns the events and whether the
+    wait ended by that call (not by the timeout)."""
     import threading
 
     events: list[tuple[str, str]] = []
+    begun = {name: threading.Event() for name in ("warm_up", "device_batch", "check_decoder")}
     geometry = device_geometry(monkeypatch)
-    warm_up, device_batch, check = geometry.warm_up, geometry.device_batch, geometry.check_decoder
 
     def recording(name, fn):
         def call(*args, **kwargs):
             events.append((name, threading.current_thread().name))
+            begun[name].set()
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(geometry, "warm_up", recording("warm_up", warm_up))
-    monkeypatch.setattr(geometry, "device_batch", recording("device_batch", device_batch))
-    monkeypatch.setattr(geometry, "check_decoder", recording("check_decoder", check))
+    for name in begun:
+        monkeypatch.setattr(geometry, name, recording(name, getattr(geometry, name)))
     monkeypatch.setattr(ClipGeometry, "on_device", lambda self, device: geometry)
+    held: list[bool] = []
+    monkeypatch.setattr(clip_encoder.ClipImageEncoder, "warm_up",
+                        lambda self, batch_size: held.append(begun[hold_encoder_until].wait(20)))
     jpeg_rows(tmp_path, 10)
     prepare(jpeg_recipe(tmp_path, 1), tmp_path / "out", host=host, progress=False)
-    assert events[0][0] == "warm_up" and events[0][1].startswith("stitch-encoder-load")
-    assert events[1] == ("check_decoder", events[0][1])  # the warm-up decoded: the check is done
-    first_batch = next(i for i, (name, _) in enumerate(events) if name == "device_batch")
-    assert first_batch > 1 and events[first_batch][1].startswith("stitch-encode")
     assert geometry._checked
+    return events, held
+
+
+def test_a_fresh_device_run_sets_the_decoder_up_in_its_own_thread_while_the_encoder_still_loads(
+        tmp_path, host, monkeypatch):
+    """nvjpeg's set-up (``warm_up``: one JPEG decoded and resized, ~0.85 s on the H200) runs in a thread of its own
+    that starts with the encoder's loader, not after the encoder's warm-up in the loader thread: the encoder's
+    warm-up here ends only once the decoder's has begun. Its check leaves nothing to decode again on the first
+    batch."""
+    events, held = recorded_device_run(tmp_path, host, monkeypatch, "warm_up")
+    assert held == [True]  # serial (decoder after encoder, one thread): the wait times out
+    assert events[0][0] == "warm_up" and events[0][1].startswith("stitch-inputs-warm-up")
+    assert events[1] == ("check_decoder", events[0][1])  # the warm-up decoded: the check is done
+    batches = [thread for name, thread in events if name == "device_batch"]
+    assert batches and all(thread.startswith("stitch-encode") for thread in batches)
+
+
+def test_the_first_device_batch_is_made_while_the_encoder_still_loads(tmp_path, host, monkeypatch):
+    """The encode thread makes the first batch's input (nvjpeg decode and resize) before it waits for the
+    encoder: the encoder's warm-up here ends only once that batch has begun."""
+    events, held = recorded_device_run(tmp_path, host, monkeypatch, "device_batch")
+    assert held == [True]  # the encoder waited for before the first input is made: the wait times out
+    first = next(thread for name, thread in events if name == "device_batch")
+    assert first.startswith("stitch-encode")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="nvjpeg decodes on a CUDA device")

@@ -91,8 +91,8 @@ class EncoderSpec:
     ``on_device(device)``: the variant prepare uses for an encoder on ``device`` (``data.prepare.decode: device``),
     which may leave part of the work to the device: its worker call returns items of any kind (``stacks = False``:
     each travels as it is) and its ``device_batch(items, device)`` turns a batch of them into the encoder's input
-    there (CLIP's decodes JPEGs with nvjpeg); its optional ``warm_up(device)`` runs in prepare's loader thread
-    beside the encoder's. The loaded encoder may offer
+    there (CLIP's decodes JPEGs with nvjpeg); its optional ``warm_up(device)`` runs in a thread of prepare's own,
+    beside the encoder's loader thread. The loaded encoder may offer
     ``compile(batch_size)`` (``data.prepare.compile``) and ``warm_up(batch_size)`` (prepare's loader thread runs
     it after ``load``, while the first shard decodes, so the first encode does not pay for device set-up).
     """
