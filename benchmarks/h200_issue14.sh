@@ -82,6 +82,7 @@
 #   bash benchmarks/h200_issue14.sh prepare15c # the device preprocessing's warm-up against a0a4351, one host
 #   bash benchmarks/h200_issue14.sh prepare15d # 2b80d5b, a0a4351 and the final code at 64k and 16k, device decode
 #   bash benchmarks/h200_issue14.sh prepare16  # the decoder's set-up beside the encoder's loader, against r15
+#   bash benchmarks/h200_issue14.sh prepare16b # the same, with each thread's CPU seconds (--thread-cpu)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -651,6 +652,21 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     done
     use_code new
     merge_json /tmp/r16 prepare_stitch_round16
+    ;;
+  prepare16b)  # prepare16's new code used ~5 s more CPU in the process than r15's (17 against 9-14 s): which
+    # thread's, by --thread-cpu; the two codes alternating again, on whichever host this is
+    install_datasets
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "new a" "r15 a" "r15 b" "new b" "new c" "r15 c"; do
+      set -- $run
+      use_code "$1"
+      [ $SECONDS -lt 300 ] && timeout $((380 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
+        --decode device --skip-encode --thread-cpu --name prepare_stitch_round16b_16384_$1_$2 --out /tmp/r16b 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-120
+    done
+    use_code new
+    merge_json /tmp/r16b prepare_stitch_round16b
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets

@@ -231,6 +231,56 @@ def preprocess_identity(host, recipe, device: str) -> str | None:
     return getattr(preprocess, "identity", None)
 
 
+def thread_cpu_now() -> dict[int, tuple[str, float]]:
+    """tid -> (comm, CPU seconds: utime + stime, fields 14 and 15 of /proc's stat) of this process's threads."""
+    ticks, out = os.sysconf("SC_CLK_TCK"), {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # it ended between the listing and the read
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(task.name)] = (stat[stat.index("(") + 1 : stat.rindex(")")], (int(fields[11]) + int(fields[12])) / ticks)
+    return out
+
+
+class ThreadCpu:
+    """CPU seconds of each thread of this process while prepare runs (``--thread-cpu``), sampled every 50 ms by
+    a thread of its own, so threads that end early (the loader, the decoder's warm-up) are counted up to their
+    last sample. Python threads by name; the others (CUDA's, OpenMP's) by their comm, in brackets."""
+
+    def __enter__(self) -> ThreadCpu:
+        import threading
+
+        self.start = {tid: cpu for tid, (_, cpu) in thread_cpu_now().items()}
+        self.seen: dict[int, tuple[str, float]] = {}  # tid -> (name, last CPU seconds)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.sample, name="bench-thread-cpu", daemon=True)
+        self.thread.start()
+        return self
+
+    def sample(self) -> None:
+        import threading
+
+        while True:
+            names = {t.native_id: t.name for t in threading.enumerate()}
+            for tid, (comm, cpu) in thread_cpu_now().items():
+                self.seen[tid] = (names.get(tid) or self.seen.get(tid, (f"[{comm}]",))[0], cpu)
+            if self.stop.wait(0.05):
+                return
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def by_name(self) -> dict[str, float]:
+        """CPU seconds during the run, summed over threads of one name, largest first."""
+        out: dict[str, float] = {}
+        for tid, (name, cpu) in self.seen.items():
+            out[name] = out.get(name, 0.0) + cpu - self.start.get(tid, 0.0)
+        return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v >= 0.01}
+
+
 def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
     from stitch.config.recipe import load_recipe
     from stitch.data.prepare import prepare
@@ -266,10 +316,15 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
                 shards.append((began, time.perf_counter()))
 
         prepare_module._Preparation.encode_shard = timed_shard
+    sampler = ThreadCpu() if getattr(args, "thread_cpu", False) else None
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
+        if sampler is not None:
+            sampler.__enter__()
         report = prepare(recipe, out, host=host, device=device, progress=False)
     finally:
+        if sampler is not None:
+            sampler.__exit__()
         if encode_shard is not None:
             prepare_module._Preparation.encode_shard = encode_shard
     total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -288,6 +343,7 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         "encode_seconds": getattr(report, "encode_seconds", None),
         "shard_encodes_s": [[round(a - t0, 3), round(b - t0, 3)] for a, b in shards],
         "main_cpu_s": round(cpu, 2), "media_chunks": getattr(report, "media_chunks", None),
+        "thread_cpu_s": sampler.by_name() if sampler is not None else None,
         "decode": recipe.data.prepare.decode, "preprocess": preprocess_identity(host, recipe, device),
         "model_tokenizer_ready_s": round(model_ready_s, 2),
         "model_tokenizer_note": "building (fresh machine) or loading the recipe model's tokenizer once before the "
@@ -592,6 +648,8 @@ def main() -> None:
     ap.add_argument("--profile-encode", action="store_true", help="each encode-only variant: one call under "
                     "torch.profiler, device time by kernel")
     ap.add_argument("--prev-encoder", default=None, help="an older stitch_clip/encoder.py, for the _prev variants")
+    ap.add_argument("--thread-cpu", action="store_true", help="prepare's CPU seconds per thread of this process "
+                    "(/proc, sampled every 50 ms), in thread_cpu_s")
     ap.add_argument("--loader-breakdown", action="store_true", help="only time, in this fresh process, each step "
                     "of prepare's encoder loader thread (loader_breakdown), then exit")
     args = ap.parse_args()
