@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -250,8 +251,6 @@ class ThreadCpu:
     last sample. Python threads by name; the others (CUDA's, OpenMP's) by their comm, in brackets."""
 
     def __enter__(self) -> ThreadCpu:
-        import threading
-
         self.start = {tid: cpu for tid, (_, cpu) in thread_cpu_now().items()}
         self.seen: dict[int, tuple[str, float]] = {}  # tid -> (name, last CPU seconds)
         self.stop = threading.Event()
@@ -260,8 +259,6 @@ class ThreadCpu:
         return self
 
     def sample(self) -> None:
-        import threading
-
         while True:
             names = {t.native_id: t.name for t in threading.enumerate()}
             for tid, (comm, cpu) in thread_cpu_now().items():
@@ -316,15 +313,12 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
                 shards.append((began, time.perf_counter()))
 
         prepare_module._Preparation.encode_shard = timed_shard
-    sampler = ThreadCpu() if getattr(args, "thread_cpu", False) else None
+    sampler = ThreadCpu() if getattr(args, "thread_cpu", False) else contextlib.nullcontext()
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
-        if sampler is not None:
-            sampler.__enter__()
-        report = prepare(recipe, out, host=host, device=device, progress=False)
+        with sampler:
+            report = prepare(recipe, out, host=host, device=device, progress=False)
     finally:
-        if sampler is not None:
-            sampler.__exit__()
         if encode_shard is not None:
             prepare_module._Preparation.encode_shard = encode_shard
     total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -343,7 +337,7 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         "encode_seconds": getattr(report, "encode_seconds", None),
         "shard_encodes_s": [[round(a - t0, 3), round(b - t0, 3)] for a, b in shards],
         "main_cpu_s": round(cpu, 2), "media_chunks": getattr(report, "media_chunks", None),
-        "thread_cpu_s": sampler.by_name() if sampler is not None else None,
+        "thread_cpu_s": sampler.by_name() if isinstance(sampler, ThreadCpu) else None,
         "decode": recipe.data.prepare.decode, "preprocess": preprocess_identity(host, recipe, device),
         "model_tokenizer_ready_s": round(model_ready_s, 2),
         "model_tokenizer_note": "building (fresh machine) or loading the recipe model's tokenizer once before the "

@@ -219,6 +219,15 @@ def _one_host_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _in_thread(name: str, fn: Any, *args: Any) -> Future:
+    """``fn(*args)`` on a thread of its own, named ``name``; the thread ends with its one task."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)  # the submitted task still runs
+
+
 # -- streaming ------------------------------------------------------------------------------------------
 
 
@@ -846,14 +855,10 @@ class _Preparation:
         runs in a second thread beside the load, not after it: on the H200 the loader, not the gathering, held
         back the first shard."""
         if self._encoder is None and not any(self.cache_dir.glob("*.safetensors")):
-            loader = ThreadPoolExecutor(1, thread_name_prefix="stitch-encoder-load")
-            self._loading = loader.submit(self.load_encoder, True)
-            loader.shutdown(wait=False)  # its one task still runs; the thread ends with it
+            self._loading = _in_thread("stitch-encoder-load", self.load_encoder, True)
             if callable(getattr(self.preprocess, "device_batch", None)) and \
                     callable(warm_inputs := getattr(self.preprocess, "warm_up", None)):
-                warmer = ThreadPoolExecutor(1, thread_name_prefix="stitch-inputs-warm-up")
-                self._warming_inputs = warmer.submit(warm_inputs, self.device)
-                warmer.shutdown(wait=False)
+                self._warming_inputs = _in_thread("stitch-inputs-warm-up", warm_inputs, self.device)
 
     @property
     def encoder(self) -> Any:
@@ -1139,9 +1144,9 @@ class _Preparation:
                 pixels = self.batch([item for _, item in batch])
                 inputs += time.perf_counter() - making
                 if encoder is None:  # loads (or waits for) the encoder, into encode_seconds' own phase
-                    making = time.perf_counter()
+                    asked = time.perf_counter()
                     encoder = self.encoder
-                    waited += time.perf_counter() - making
+                    waited += time.perf_counter() - asked
                 features = encoder.encode(pixels)
             if tuple(features.shape) != (len(batch), *expected):
                 raise PrepareError(
