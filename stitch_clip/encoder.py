@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,6 +24,9 @@ PAYLOAD = "clip_image"  # the rollout payload ViT-B/32-wide features travel in (
 # thousands of rows takes seconds on two cores and their cache stays small (49 x 256 x 2 bytes = 24.5 KiB).
 DEMO_FEATURE_WIDTH = 256
 DEMO_PAYLOAD = "clip_image_demo"
+# ClipDeviceGeometry.resize_crop pads a chunk of images through a (strided) nested tensor, whose use torch marks as a
+# prototype with a warning on every first use; the one call it makes is stable since torch 1.13
+warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage", category=UserWarning)
 
 
 def _unwrap(value: Any) -> Any:
@@ -273,6 +277,7 @@ class ClipDeviceGeometry:
         # nvjpeg comes with torchvision's build: another build may decode other pixels
         self.identity = f"clip-nvjpeg/1 torchvision {decoder_version or version('torchvision')}"
         self._weights: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._sizes: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._checked = False  # check_decoder has decoded on the device
 
     def __call__(self, value: Any) -> JpegItem | torch.Tensor:
@@ -302,25 +307,32 @@ class ClipDeviceGeometry:
             found = self._weights[key] = resized[0, 0, :, start : start + length].T.contiguous()
         return found
 
+    def size_weights(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[h, crop_h] and [w, crop_w]: the row and column weights of an ``h`` x ``w`` image's resize + crop, under
+        one key per image size (one lookup an image)."""
+        key = (h, w, str(device))
+        found = self._sizes.get(key)
+        if found is None:
+            ch, cw = self.cpu.crop
+            (out_w, out_h), top, left = self.cpu.placement(w, h)
+            found = self._sizes[key] = (self.weights(h, out_h, top, ch, device).T,
+                                        self.weights(w, out_w, left, cw, device).T)
+        return found
+
     def resize_crop(self, images: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """uint8 [B, 3, crop_h, crop_w] of uint8 [3, h, w] images of any sizes: ``ClipGeometry``'s resize and
-        crop (without its DCT-scaled decode) as a batched product, in float32 without TF32, rounded."""
+        crop (without its DCT-scaled decode) as a batched product, in float32 without TF32, rounded. The host
+        work is a few calls a chunk, not an image: the zero-padded float batch is one nested tensor's
+        ``to_padded_tensor`` and each image's weights are one cached pair, padded together by ``pad_sequence``."""
         from torch.nn.utils.rnn import pad_sequence
 
-        ch, cw = self.cpu.crop
         height, width = max(i.shape[1] for i in images), max(i.shape[2] for i in images)
-        x = torch.zeros((len(images), 3, height, width), dtype=torch.float32, device=device)
-        rows, cols = [], []
-        for i, image in enumerate(images):
-            _, h, w = image.shape
-            (out_w, out_h), top, left = self.cpu.placement(w, h)
-            x[i, :, :h, :w] = image
-            rows.append(self.weights(h, out_h, top, ch, device).T)
-            cols.append(self.weights(w, out_w, left, cw, device).T)
-        # [B, ch, H] and [B, cw, W], zero-padded: each image's weights copied by one C++ loop instead of one Python
-        # assignment each (a quarter of the per-image host work)
-        rows = pad_sequence(rows, batch_first=True).transpose(1, 2).contiguous()
-        cols = pad_sequence(cols, batch_first=True).transpose(1, 2).contiguous()
+        x = torch.nested.as_nested_tensor(images, dtype=torch.float32).to_padded_tensor(
+            0.0, (len(images), 3, height, width))
+        pairs = [self.size_weights(i.shape[1], i.shape[2], device) for i in images]
+        # [B, ch, H] and [B, cw, W], zero-padded beyond each image's own size
+        rows = pad_sequence([p[0] for p in pairs], batch_first=True).transpose(1, 2).contiguous()
+        cols = pad_sequence([p[1] for p in pairs], batch_first=True).transpose(1, 2).contiguous()
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would move pixels by up to a level
         try:
