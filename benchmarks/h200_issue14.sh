@@ -83,6 +83,11 @@
 #   bash benchmarks/h200_issue14.sh prepare15d # 2b80d5b, a0a4351 and the final code at 64k and 16k, device decode
 #   bash benchmarks/h200_issue14.sh prepare16  # the decoder's set-up beside the encoder's loader, against r15
 #   bash benchmarks/h200_issue14.sh prepare16b # the same, with each thread's CPU seconds (--thread-cpu)
+#   bash benchmarks/h200_issue14.sh inputs17   # device_batch taken apart (device_inputs_check.py); 16k prepare with
+#                                             # the default switch interval against 0.5 ms, alternating
+#   bash benchmarks/h200_issue14.sh inputs17b  # device_batch taken apart again, its first calls after each warm-up,
+#                                             # and 16k prepare: r16 against this round's code (gc frozen), with gc's
+#                                             # pauses
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -111,6 +116,7 @@ use_code() {
     old) from=.bench-old/prepare_2b80d5b.py enc=.bench-old/encoder_2b80d5b.py ;;
     a0) from=.bench-old/prepare_a0a4351.py enc=.bench-old/encoder_a0a4351.py ;;
     r15) from=.bench-old/prepare_966957e.py enc=.bench-old/encoder_966957e.py ;;
+    r16) from=.bench-old/prepare_8debdc7.py enc=.bench-old/encoder_8debdc7.py ;;
   esac
   cp "$from" stitch/data/prepare.py; cp "$enc" stitch_clip/encoder.py
 }
@@ -667,6 +673,48 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     done
     use_code new
     merge_json /tmp/r16b prepare_stitch_round16b
+    ;;
+  inputs17)  # round 17: where the encode thread's ~210 us an image of inputs go (read, nvjpeg, resize; alone and
+    # beside a busy thread), round 16's resize against this round's, then prepare with r16's code and this round's
+    # (new), each with the interpreter's switch interval at 5 ms (the default, d) and 0.5 ms (s), alternating: does
+    # prepare's main thread hold the encode thread's torch calls up?
+    install_datasets
+    timeout 200 python3 benchmarks/device_inputs_check.py --images 4096 --old .bench-old/encoder_8debdc7.py \
+      --out "$OUT" 2>&1 | grep -vi warn | cut -c1-1500
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "new d a" "r16 d a" "new s a" "r16 s a" "r16 d b" "new d b" "r16 s b" "new s b"; do
+      set -- $run
+      use_code "$1"
+      [ $SECONDS -lt 440 ] && timeout $((520 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
+        --decode device --skip-encode --thread-cpu $([ "$2" = s ] && echo "--switch-interval 0.0005") \
+        --name prepare_stitch_round17_16384_$1_$2_$3 --out /tmp/r17 2>&1 | grep -E "^prepare|Error" | cut -c1-120
+    done
+    use_code new
+    merge_json /tmp/r17 prepare_stitch_round17
+    ;;
+  inputs17b)  # inputs17 found the 6th device_batch of every run ~0.4 s slower than its neighbours and the first one
+    # 0.3-0.5 s slower: Python's full collections (gc.freeze in prepare now), and what is cold in the first batch
+    install_datasets
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
+      -k "gpu or device" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    timeout 200 python3 benchmarks/device_inputs_check.py --images 4096 --old .bench-old/encoder_8debdc7.py \
+      --out "$OUT" 2>&1 | grep -vi warn | cut -c1-1500
+    for warm in shipped photo shipped photo; do
+      timeout 60 python3 benchmarks/device_inputs_check.py --images 8192 --cold $warm --out /tmp/cold_$warm 2>&1 \
+        | grep -E "^cold|Error" | cut -c1-300
+    done
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "new a" "r16 a" "r16 b" "new b" "new c" "r16 c"; do
+      set -- $run
+      use_code "$1"
+      [ $SECONDS -lt 440 ] && timeout $((520 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
+        --decode device --skip-encode --thread-cpu --name prepare_stitch_round17b_16384_$1_$2 --out /tmp/r17b 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-120
+    done
+    use_code new
+    merge_json /tmp/r17b prepare_stitch_round17b
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets

@@ -278,6 +278,63 @@ class ThreadCpu:
         return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v >= 0.01}
 
 
+@contextlib.contextmanager
+def timed_calls(cls: type, name: str, spans: list[tuple[float, float]]):
+    """``cls.name`` (if it exists) appending each call's (start, end) to ``spans`` while the block runs."""
+    method = getattr(cls, name, None)
+    if method is None:
+        yield
+        return
+
+    def timed(self, *a, **k):
+        began = time.perf_counter()
+        try:
+            return method(self, *a, **k)
+        finally:
+            spans.append((began, time.perf_counter()))
+
+    setattr(cls, name, timed)
+    try:
+        yield
+    finally:
+        setattr(cls, name, method)
+
+
+class GcPauses:
+    """Python's cyclic collections while prepare runs (``gc.callbacks``): each stops every thread of the process
+    for its duration, and a full (generation 2) one walks every tracked object, imports and model included."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, float, float]] = []  # generation, start, seconds
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.runs.append((info["generation"], self._started, time.perf_counter() - self._started))
+
+    def __enter__(self) -> GcPauses:
+        import gc
+
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import gc
+
+        gc.callbacks.remove(self)
+
+    def summary(self, t0: float) -> dict:
+        out: dict[str, Any] = {}
+        for gen in (0, 1, 2):
+            runs = [r for r in self.runs if r[0] == gen]
+            out[f"gen{gen}"] = {"count": len(runs), "seconds": round(sum(r[2] for r in runs), 3)}
+        out["gen2_at_s"] = [[round(start - t0, 3), round(seconds, 3)] for gen, start, seconds in self.runs
+                            if gen == 2]
+        return out
+
+
 def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
     from stitch.config.recipe import load_recipe
     from stitch.data.prepare import prepare
@@ -301,26 +358,18 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         profile = cProfile.Profile()
         profile.enable()
     import stitch.data.prepare as prepare_module
+    import stitch_clip.encoder as clip_encoder
 
-    shards: list[tuple[float, float]] = []  # when each shard's encode began and ended on the encode thread
-    encode_shard = getattr(prepare_module._Preparation, "encode_shard", None)
-    if encode_shard is not None:  # the code before the encode thread has none
-        def timed_shard(self, *a, **k):
-            began = time.perf_counter()
-            try:
-                return encode_shard(self, *a, **k)
-            finally:
-                shards.append((began, time.perf_counter()))
-
-        prepare_module._Preparation.encode_shard = timed_shard
+    # when each shard's encode (the encode thread) and each device_batch call (the device path's inputs) began and
+    # ended; the code before the encode thread has no encode_shard
+    shards: list[tuple[float, float]] = []
+    batches: list[tuple[float, float]] = []
     sampler = ThreadCpu() if getattr(args, "thread_cpu", False) else contextlib.nullcontext()
+    pauses = GcPauses()
     t0, cpu0 = time.perf_counter(), time.process_time()
-    try:
-        with sampler:
-            report = prepare(recipe, out, host=host, device=device, progress=False)
-    finally:
-        if encode_shard is not None:
-            prepare_module._Preparation.encode_shard = encode_shard
+    with sampler, pauses, timed_calls(prepare_module._Preparation, "encode_shard", shards), \
+            timed_calls(clip_encoder.ClipDeviceGeometry, "device_batch", batches):
+        report = prepare(recipe, out, host=host, device=device, progress=False)
     total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if profile is not None:
         profile.disable()
@@ -336,6 +385,8 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         "phase_seconds": getattr(report, "phase_seconds", None), "worker_seconds": getattr(report, "worker_seconds", None),
         "encode_seconds": getattr(report, "encode_seconds", None),
         "shard_encodes_s": [[round(a - t0, 3), round(b - t0, 3)] for a, b in shards],
+        "device_batches_s": [[round(a - t0, 3), round(b - t0, 3)] for a, b in batches],
+        "gc": pauses.summary(t0),
         "main_cpu_s": round(cpu, 2), "media_chunks": getattr(report, "media_chunks", None),
         "thread_cpu_s": sampler.by_name() if isinstance(sampler, ThreadCpu) else None,
         "decode": recipe.data.prepare.decode, "preprocess": preprocess_identity(host, recipe, device),
@@ -644,6 +695,9 @@ def main() -> None:
     ap.add_argument("--prev-encoder", default=None, help="an older stitch_clip/encoder.py, for the _prev variants")
     ap.add_argument("--thread-cpu", action="store_true", help="prepare's CPU seconds per thread of this process "
                     "(/proc, sampled every 50 ms), in thread_cpu_s")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the run, in "
+                    "seconds (Python's default 0.005): a thread that gave the interpreter lock up for a torch op or "
+                    "a file read waits up to this long to get it back from a busy one")
     ap.add_argument("--loader-breakdown", action="store_true", help="only time, in this fresh process, each step "
                     "of prepare's encoder loader thread (loader_breakdown), then exit")
     args = ap.parse_args()
@@ -679,6 +733,8 @@ def main() -> None:
         from stitch_clip.encoder import ClipImageEncoder
 
         ClipImageEncoder.pipeline_chunk = None
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     root = Path(args.scratch) / "data"
     result: dict = {"config": {k: v for k, v in vars(args).items()}}
     result["dataset"] = make_dataset(root, args.images, args.unique, max(1, os.cpu_count() or 1), args.smoke)
