@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -279,6 +281,7 @@ class ClipDeviceGeometry:
         self._weights: dict[tuple[Any, ...], torch.Tensor] = {}
         self._sizes: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._checked = False  # check_decoder has decoded on the device
+        self._decoding: ThreadPoolExecutor | None = None  # device_batch's decode thread, made at its first call
 
     def __call__(self, value: Any) -> JpegItem | torch.Tensor:
         data = _media_bytes(value)
@@ -356,11 +359,22 @@ class ClipDeviceGeometry:
                 height, width = items[i].height, items[i].width
         return out
 
-    def finish(self, items: list[Any], at: list[int], device: torch.device) -> torch.Tensor:
-        """The JPEGs ``at`` decoded in one nvjpeg call and resized; if nvjpeg refuses the batch, each alone, and
-        one it refuses alone goes through the CPU geometry (as a worker would have run it)."""
+    def decode_chunk(self, items: list[Any], at: list[int], device: torch.device,
+                     stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
+        """The JPEGs ``at`` read and decoded in one nvjpeg call, with ``stream`` (the caller's) as the current one:
+        ``device_batch`` runs this on its decode thread, and the images must be ready on the stream that
+        resizes them."""
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return self.decode_jpegs([items[i].read() for i in at], device)
+
+    def finish(self, items: list[Any], at: list[int], device: torch.device,
+               decoded: Future | None = None) -> torch.Tensor:
+        """The JPEGs ``at`` decoded in one nvjpeg call (``decoded``: that call, already under way on the decode
+        thread) and resized; if nvjpeg refuses the batch, each alone, and one it refuses alone goes through the CPU
+        geometry (as a worker would have run it)."""
         try:
-            return self.resize_crop(self.decode_jpegs([items[i].read() for i in at], device), device)
+            images = decoded.result() if decoded is not None else self.decode_chunk(items, at, device)
+            return self.resize_crop(images, device)
         except RuntimeError:
             if len(at) > 1:
                 return torch.cat([self.finish(items, [i], device) for i in at])
@@ -397,7 +411,9 @@ class ClipDeviceGeometry:
 
     def device_batch(self, items: list[Any], device: str | torch.device) -> torch.Tensor:
         """The uint8 [B, 3, crop_h, crop_w] batch on ``device`` of the worker half's items, in order: JPEGs
-        decoded and resized there (``chunks``), the CPU geometry's tensors copied."""
+        decoded and resized there (``chunks``), the CPU geometry's tensors copied. Each chunk's files are read and
+        decoded on a thread of the geometry's own while this one resizes the chunk before: nvjpeg's call lets the
+        interpreter lock go while it decodes, and the resize's host work runs meanwhile."""
         device = torch.device(device)
         self.check_decoder(device)
         out = torch.empty((len(items), 3, *self.cpu.crop), dtype=torch.uint8, device=device)
@@ -405,9 +421,22 @@ class ClipDeviceGeometry:
         tensors = [i for i, item in enumerate(items) if not isinstance(item, JpegItem)]
         if tensors:
             out[tensors] = torch.stack([items[i] for i in tensors]).to(device, non_blocking=True)
-        for at in self.chunks(items, jpegs):
-            out[at] = self.finish(items, at, device)
+        chunks = self.chunks(items, jpegs)
+        if not chunks:
+            return out
+        if self._decoding is None:
+            self._decoding = ThreadPoolExecutor(1, thread_name_prefix="stitch-jpeg-decode")
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        pending = self._decoding.submit(self.decode_chunk, items, chunks[0], device, stream)
+        for k, at in enumerate(chunks):
+            decoded = pending
+            if k + 1 < len(chunks):
+                pending = self._decoding.submit(self.decode_chunk, items, chunks[k + 1], device, stream)
+            out[at] = self.finish(items, at, device, decoded)
         return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_decoding": None}  # a thread does not travel to a worker process
 
 
 def clip_geometry(processor: Any) -> ClipGeometry | None:

@@ -123,6 +123,41 @@ def test_a_device_batch_keeps_its_rows_order_across_chunks_and_cpu_decoded_items
     assert not torch.equal(batch[0], batch[1])
 
 
+def test_the_next_chunk_is_read_and_decoded_on_the_decode_thread_while_this_one_resizes(monkeypatch):
+    """Chunks of two: the first chunk's resize waits (at most 20 s) until the second chunk's decode has begun on
+    another thread. Decoding each chunk only after the resize before it, on one thread, never gets there."""
+    import threading
+
+    geometry = device_geometry(monkeypatch)
+    monkeypatch.setattr(ClipDeviceGeometry, "DEVICE_CHUNK", 2)
+    raws = [photo_bytes(w, h, "JPEG", seed=i) for i, (w, h) in enumerate(SIZES[:4])]
+    decodes: list[str] = []
+    second_began = threading.Event()
+
+    def decode(datas, device):
+        decodes.append(threading.current_thread().name)
+        if len(decodes) == 2:
+            second_began.set()
+        return pil_decode(datas, device)
+
+    resize = geometry.resize_crop
+    waited: list[bool] = []
+
+    def resize_crop(images, device):
+        if not waited:
+            waited.append(second_began.wait(20))
+        return resize(images, device)
+
+    geometry.check_decoder(torch.device("cpu"))  # its one decode done: only the chunks' are counted
+    monkeypatch.setattr(geometry, "decode_jpegs", decode)
+    monkeypatch.setattr(geometry, "resize_crop", resize_crop)
+    batch = geometry.device_batch([geometry(raw) for raw in raws], "cpu")
+    assert waited == [True]
+    assert len(decodes) == 2 and all(name.startswith("stitch-jpeg-decode") for name in decodes)
+    for i, raw in enumerate(raws):  # and every image where it belongs
+        assert torch.equal(batch[i], resize(pil_decode([raw], "cpu"), torch.device("cpu"))[0])
+
+
 def test_jpegs_are_resized_in_size_ordered_chunks_within_the_pixel_budget(monkeypatch):
     geometry = device_geometry()
     monkeypatch.setattr(ClipDeviceGeometry, "PIXEL_BUDGET", 3 * 640 * 480)
