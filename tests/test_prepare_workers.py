@@ -194,30 +194,31 @@ def test_the_encoder_runs_on_the_callers_torch_threads_and_they_are_restored(tmp
         torch.set_num_threads(before)
 
 
-def test_objects_from_before_prepare_are_out_of_full_collections_while_it_runs_and_back_after(tmp_path, host_module):
+def test_objects_from_before_prepare_are_out_of_full_collections_while_it_encodes_and_back_after(tmp_path,
+                                                                                               host_module):
     """gc.freeze for the run: a full collection walks only what prepare allocated (the libraries' ~0.4 M objects
-    stalled every thread for ~0.3 s a collection), and the objects are collectable again once it returns; a
-    program that froze objects itself keeps them frozen."""
+    stalled every thread for 0.3-0.4 s a collection), collection is on while it encodes, and the objects are
+    collectable again once it returns; a program that froze objects itself keeps them frozen."""
     import gc
 
-    frozen_while_encoding = []
-    recording = _recording_encoder(host_module, lambda: frozen_while_encoding.append(gc.get_freeze_count()))
-
-    assert gc.get_freeze_count() == 0
+    seen = []  # (objects frozen, collection on) as each encode begins
+    recording = _recording_encoder(host_module, lambda: seen.append((gc.get_freeze_count(), gc.isenabled())))
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
     before = len(gc.get_objects())
     prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out", host=host_module,
             encoder=recording, progress=False)
-    assert frozen_while_encoding and min(frozen_while_encoding) >= before // 2  # the objects of before, frozen
-    assert gc.get_freeze_count() == 0
+    assert seen and min(frozen for frozen, _ in seen) >= before // 2  # the objects of before, frozen
+    assert all(enabled for _, enabled in seen)  # settled: what prepare makes is collected
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
 
     gc.freeze()  # the program's own freeze: prepare leaves it as it is
     try:
         ours = gc.get_freeze_count()
-        frozen_while_encoding.clear()
+        seen.clear()
         (tmp_path / "again").mkdir()
         prepare(load_recipe(write_recipe(tmp_path / "again", prepare={"workers": 1})), tmp_path / "again" / "out",
                 host=host_module, encoder=recording, progress=False)
-        assert frozen_while_encoding and max(frozen_while_encoding) <= ours  # nothing more frozen (some freed)
+        assert seen and max(frozen for frozen, _ in seen) <= ours  # nothing more frozen (some freed)
         assert gc.get_freeze_count() >= ours // 2  # and not unfrozen by prepare
     finally:
         gc.unfreeze()

@@ -220,22 +220,42 @@ def _one_host_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@contextlib.contextmanager
-def _objects_frozen() -> Iterator[None]:
-    """The objects that exist when prepare starts (the imported libraries, the tokenizer, the model's config:
-    ~0.4-1 M of them) left out of Python's cyclic collector until it ends (``gc.freeze``). A full collection walks
-    every tracked object while each thread of the process waits: ~0.2-0.3 s each, and on the H200 a 16k-image
-    run stalled its encode thread for ~0.4 s at the same batch every time. What prepare itself allocates is still
-    collected. The worker processes fork with the objects frozen, so their collections do not touch (and copy)
-    the pages they share with this one. Left alone when the program froze objects itself."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+class ObjectsFrozen:
+    """Python's cyclic collector kept off the objects prepare did not make. A full collection walks every tracked
+    object while each thread of the process waits; on the H200 a 16k-image run had two, of 0.3-0.4 s each (one
+    while the start-up threads import, one at ~5 s that stalled the encode thread's batch of that moment).
+
+    On entry the objects that exist (the imported libraries, the tokenizer) are frozen (``gc.freeze``) and
+    collection is off while the run starts; ``settle`` (the first shard gathered, the encoder loaded) freezes what
+    the start-up imported meanwhile (``datasets``, the encoder's modules, torchvision) and turns collection back on,
+    so what prepare itself allocates is collected as usual. On exit everything is unfrozen and collection is as it
+    was. The worker processes fork with the objects frozen: their collections do not touch (and copy) the pages
+    they share with this one. Left alone entirely where the program froze objects itself."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.was_enabled = True
+
+    def __enter__(self) -> ObjectsFrozen:
+        if not gc.get_freeze_count():
+            self.active, self.was_enabled = True, gc.isenabled()
+            gc.disable()
+            gc.freeze()
+        return self
+
+    def settle(self) -> None:
+        """The objects made since entry frozen too, and collection on again (where it was on)."""
+        if self.active:
+            gc.freeze()
+            if self.was_enabled:
+                gc.enable()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:
+            self.active = False
+            gc.unfreeze()
+            if self.was_enabled:
+                gc.enable()
 
 
 def _in_thread(name: str, fn: Any, *args: Any) -> Future:
@@ -807,7 +827,7 @@ def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any])
 class _Preparation:
     def __init__(
         self, recipe: Recipe, out_dir: Path, spec: EncoderSpec, encoder: Any, device: str, progress: bool,
-        prompts: PromptCheck, clock: PhaseClock,
+        prompts: PromptCheck, clock: PhaseClock, frozen: ObjectsFrozen | None = None,
     ) -> None:
         self.recipe, self.data, self.spec = recipe, recipe.data, spec
         self.out_dir = out_dir
@@ -844,6 +864,7 @@ class _Preparation:
         self.prompts = prompts
         self.decoder = RowDecoder(prompts, MediaDecoder(self.paths, spec.decode_item, self.preprocess))
         self.clock = clock
+        self.frozen = frozen or ObjectsFrozen()  # settled at the first shard and when the encoder is loaded
         self.worker_seconds = {"prompt": 0.0, "media": 0.0}  # summed over chunks, whichever process ran them
         self._loading: Future | None = None  # the encoder, loading in a thread while the first rows decode
         self._warming_inputs: Future | None = None  # the device preprocessing's set-up, in a thread beside it
@@ -888,6 +909,7 @@ class _Preparation:
             self._encoder = self._loading.result() if self._loading is not None else self.load_encoder()
         if not self._encoder_ready:
             self._encoder_ready = True
+            self.frozen.settle()  # the loader's imports frozen with the rest
             rows = sum(p.rows for p in self.data.partitions)
             if self.data.prepare.compiles(self.device, rows):
                 if not hasattr(self._encoder, "compile"):
@@ -1208,6 +1230,8 @@ class _Preparation:
                 stream = _raw_media_stream(stream, self.data.columns.media)
             with open(manifest_tmp, "w", encoding="utf-8") as manifest, _progress(selected, self.progress) as bar:
                 for shard_rows in self.shards(self.valid_rows(stream, pool)):
+                    if not self.shards_encoded + self.shards_reused:
+                        self.frozen.settle()  # the stream's imports (datasets) frozen, collection back on
                     self.flush(shard_rows, manifest, bar)
                     self.check_transient(tmp)
                     with self._bar:
@@ -1303,7 +1327,7 @@ def prepare(
         prompts = PromptCheck(recipe, host, spec.tokens_per_item)  # before the run directory exists: a bad model
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with RunLock(out, "prepare"), _objects_frozen():
+    with RunLock(out, "prepare"), ObjectsFrozen() as frozen:
         with clock("startup"):
-            run = _Preparation(recipe, out, spec, encoder, device, progress, prompts, clock)
+            run = _Preparation(recipe, out, spec, encoder, device, progress, prompts, clock, frozen)
         return run.run()
