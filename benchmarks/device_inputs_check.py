@@ -11,7 +11,7 @@ alone in round 14). This script times, on ``--images`` JPEGs of prepare_stitch.p
   prepare's main thread does while it gathers rows (``--busy``);
 - the geometry of an earlier encoder.py (``--old``, e.g. round 16's: one indexed copy into the padded input and
   two weight lookups an image), and variants of this script's own (not shipped): larger nvjpeg chunks, each file
-  read by one torch op, and the next chunk's read + decode on a second thread while this one resizes;
+  read by one torch op, and the shipped geometry without its decode thread (``serial``);
 - each variant's pixels against the shipped ones (bit for bit).
 
 Per-thread CPU seconds (from /proc) of the decode-only loop say whether nvjpeg's own threads spin.
@@ -23,11 +23,11 @@ Per-thread CPU seconds (from /proc) of the decode-only loop say whether nvjpeg's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,27 +40,15 @@ from benchmarks.prepare_stitch import make_dataset  # noqa: E402
 from stitch_clip.encoder import ClipDeviceGeometry, ClipGeometry, JpegItem  # noqa: E402
 
 
-class Ahead(ClipDeviceGeometry):
-    """The shipped geometry, and the next chunk read and decoded on a second thread while this one resizes the current
-    chunk (nvjpeg's call holds no interpreter lock while it decodes)."""
-
-    pool = ThreadPoolExecutor(1, thread_name_prefix="bench-decode")
+class Serial(ClipDeviceGeometry):
+    """The shipped geometry with round 16's loop: each chunk read and decoded on the calling thread, then resized."""
 
     def device_batch(self, items: list[Any], device: str | torch.device) -> torch.Tensor:
         device = torch.device(device)
         self.check_decoder(device)
         out = torch.empty((len(items), 3, *self.cpu.crop), dtype=torch.uint8, device=device)
-        jpegs = [i for i, item in enumerate(items) if isinstance(item, JpegItem)]
-        chunks = self.chunks(items, jpegs)
-
-        def decoded(at: list[int]) -> list[torch.Tensor]:
-            return self.decode_jpegs([items[i].read() for i in at], device)
-
-        pending = self.pool.submit(decoded, chunks[0]) if chunks else None
-        for k, at in enumerate(chunks):
-            images = pending.result()
-            pending = self.pool.submit(decoded, chunks[k + 1]) if k + 1 < len(chunks) else None
-            out[at] = self.resize_crop(images, device)
+        for at in self.chunks(items, [i for i, item in enumerate(items) if isinstance(item, JpegItem)]):
+            out[at] = self.finish(items, at, device)
         return out
 
 
@@ -102,10 +90,12 @@ class ReadFile(ClipDeviceGeometry):
         tensors = [d if isinstance(d, torch.Tensor) else torch.frombuffer(d, dtype=torch.uint8) for d in datas]
         return decode_jpeg(tensors, mode=ImageReadMode.RGB, device=device)
 
-    def finish(self, items: list[Any], at: list[int], device: torch.device) -> torch.Tensor:
+    def decode_chunk(self, items: list[Any], at: list[int], device: torch.device,
+                     stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
         from torchvision.io import read_file
 
-        return self.resize_crop(self.decode_jpegs([read_file(items[i].data) for i in at], device), device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return self.decode_jpegs([read_file(items[i].data) for i in at], device)
 
 
 class Busy:
@@ -178,10 +168,24 @@ def cold(args: argparse.Namespace, device: torch.device, items: list[Any]) -> di
     sync(device)
     out: dict[str, Any] = {"warm_up_s": round(time.perf_counter() - started, 3), "batches_s": []}
     for s in range(0, min(len(items), 6 * args.batch), args.batch):
+        profile = None
+        if args.profile and s == 0:
+            import cProfile
+
+            profile = cProfile.Profile()
+            profile.enable()
         began = time.perf_counter()
         geometry.device_batch(items[s : s + args.batch], device)
         sync(device)
         out["batches_s"].append(round(time.perf_counter() - began, 3))
+        if profile is not None:
+            profile.disable()
+            import io
+            import pstats
+
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
+            out["first_batch_profile"] = [line for line in text.getvalue().splitlines() if line.strip()][-32:]
     return out
 
 
@@ -194,6 +198,8 @@ def main() -> None:
     ap.add_argument("--old", default=None, help="an earlier stitch_clip/encoder.py, whose geometry runs as 'old'")
     ap.add_argument("--out", default=None)
     ap.add_argument("--root", default="/tmp/stitch-device-inputs")
+    ap.add_argument("--profile", action="store_true", help="--cold: the first device_batch under cProfile (its "
+                    "calling thread; the decode thread's time shows as the wait for its future)")
     ap.add_argument("--cold", choices=["shipped", "photo"], default=None, help="only time, in this fresh process, "
                     "the given warm-up and then the first six device_batch calls")
     args = ap.parse_args()
@@ -216,6 +222,8 @@ def main() -> None:
     assert all(isinstance(i, JpegItem) for i in items)
     if args.cold:
         result = {"cold": args.cold, **cold(args, device, items)}
+        for line in result.pop("first_batch_profile", []):
+            log(line)
         log(f"cold {result}")
         if args.out:
             write_result(f"device_inputs_cold_{args.cold}", {"utc": now(), "command": " ".join(sys.argv), **result},
@@ -261,7 +269,7 @@ def main() -> None:
                                                    for r in decoded], device, args.repeats) / n * 1e6
         del decoded, reads
 
-    variants: dict[str, Any] = {"shipped": shipped, "ahead": Ahead(cpu, decoder_version="check")}
+    variants: dict[str, Any] = {"shipped": shipped, "serial": Serial(cpu, decoder_version="check")}
     if old is not None:
         variants["old"] = old.ClipDeviceGeometry(old.ClipGeometry(224, (224, 224), 3), decoder_version="check")
     big = ClipDeviceGeometry(cpu, decoder_version="check")

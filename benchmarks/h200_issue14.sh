@@ -88,6 +88,8 @@
 #   bash benchmarks/h200_issue14.sh inputs17b  # device_batch taken apart again, its first calls after each warm-up,
 #                                             # and 16k prepare: r16 against this round's code (gc frozen), with gc's
 #                                             # pauses
+#   bash benchmarks/h200_issue14.sh inputs17c  # 16k prepare, r16 against this round's final code; the first
+#                                             # device_batch under cProfile; device_batch taken apart
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -117,6 +119,7 @@ use_code() {
     a0) from=.bench-old/prepare_a0a4351.py enc=.bench-old/encoder_a0a4351.py ;;
     r15) from=.bench-old/prepare_966957e.py enc=.bench-old/encoder_966957e.py ;;
     r16) from=.bench-old/prepare_8debdc7.py enc=.bench-old/encoder_8debdc7.py ;;
+    c17) from=.bench-old/prepare_9db2650.py enc=.bench-old/encoder_06bb0e9.py ;;
   esac
   cp "$from" stitch/data/prepare.py; cp "$enc" stitch_clip/encoder.py
 }
@@ -694,7 +697,8 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     merge_json /tmp/r17 prepare_stitch_round17
     ;;
   inputs17b)  # inputs17 found the 6th device_batch of every run ~0.4 s slower than its neighbours and the first one
-    # 0.3-0.5 s slower: Python's full collections (gc.freeze in prepare now), and what is cold in the first batch
+    # 0.3-0.5 s slower: Python's full collections (gc.freeze in prepare now), and what is cold in the first batch;
+    # prepare with r16's code, c17's (gc frozen, the nested resize) and new (c17 + the decode thread), alternating
     install_datasets
     timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
       -k "gpu or device" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
@@ -706,15 +710,34 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     done
     timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
       > /dev/null 2>&1
-    for run in "new a" "r16 a" "r16 b" "new b" "new c" "r16 c"; do
+    for run in "new a" "r16 a" "c17 a" "c17 b" "r16 b" "new b" "new c" "c17 c" "r16 c"; do
       set -- $run
       use_code "$1"
-      [ $SECONDS -lt 440 ] && timeout $((520 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
+      [ $SECONDS -lt 470 ] && timeout $((540 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
         --decode device --skip-encode --thread-cpu --name prepare_stitch_round17b_16384_$1_$2 --out /tmp/r17b 2>&1 \
         | grep -E "^prepare|Error" | cut -c1-120
     done
     use_code new
     merge_json /tmp/r17b prepare_stitch_round17b
+    ;;
+  inputs17c)  # round 17's final code (the start-up's imports frozen too, collection off until the first shard)
+    # against r16, alternating; then the first device_batch of a fresh process profiled, and the micro benchmark
+    install_datasets
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    for run in "new a" "r16 a" "r16 b" "new b"; do
+      set -- $run
+      use_code "$1"
+      [ $SECONDS -lt 200 ] && timeout $((260 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
+        --decode device --skip-encode --thread-cpu --name prepare_stitch_round17c_16384_$1_$2 --out /tmp/r17c 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-120
+    done
+    use_code new
+    merge_json /tmp/r17c prepare_stitch_round17c
+    timeout 60 python3 benchmarks/device_inputs_check.py --images 4096 --cold shipped --profile --out "$OUT" 2>&1 \
+      | grep -vi warn | cut -c1-200
+    [ $SECONDS -lt 230 ] && timeout $((300 - SECONDS)) python3 benchmarks/device_inputs_check.py --images 2048 \
+      --old .bench-old/encoder_8debdc7.py --out "$OUT" 2>&1 | grep -vi warn | cut -c1-1500
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets
