@@ -306,17 +306,25 @@ class GcPauses:
 
     def __init__(self) -> None:
         self.runs: list[tuple[int, float, float]] = []  # generation, start, seconds
+        self.callers: list[list[str]] = []  # each full collection's innermost frames
         self._started = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = time.perf_counter()
+            if info["generation"] == 2:  # who asked: an explicit gc.collect() or the allocation that set it off
+                import traceback
+
+                self.callers.append([f"{threading.current_thread().name} {Path(f.filename).name}:{f.lineno} {f.name}"
+                                     for f in traceback.extract_stack(limit=8)[:-1]])
         else:
             self.runs.append((info["generation"], self._started, time.perf_counter() - self._started))
 
     def __enter__(self) -> GcPauses:
         import gc
 
+        # prepare freezes and pauses collection only where nothing froze objects before it
+        self.at_start = {"frozen_objects": gc.get_freeze_count(), "enabled": gc.isenabled()}
         gc.callbacks.append(self)
         return self
 
@@ -332,6 +340,8 @@ class GcPauses:
             out[f"gen{gen}"] = {"count": len(runs), "seconds": round(sum(r[2] for r in runs), 3)}
         out["gen2_at_s"] = [[round(start - t0, 3), round(seconds, 3)] for gen, start, seconds in self.runs
                             if gen == 2]
+        out["gen2_callers"] = self.callers
+        out["at_start"] = self.at_start
         return out
 
 

@@ -222,15 +222,19 @@ def _one_host_thread() -> Iterator[None]:
 
 class ObjectsFrozen:
     """Python's cyclic collector kept off the objects prepare did not make. A full collection walks every tracked
-    object while each thread of the process waits; on the H200 a 16k-image run had two, of 0.3-0.4 s each (one
-    while the start-up threads import, one at ~5 s that stalled the encode thread's batch of that moment).
+    object while each thread of the process waits: with torch, transformers and datasets imported (~0.43 M
+    objects) one took 0.29 s on the 2-core CPU machine, and prepare's 4,096-image CPU pipeline had one of 0.21 s.
 
     On entry the objects that exist (the imported libraries, the tokenizer) are frozen (``gc.freeze``) and
     collection is off while the run starts; ``settle`` (the first shard gathered, the encoder loaded) freezes what
     the start-up imported meanwhile (``datasets``, the encoder's modules, torchvision) and turns collection back on,
     so what prepare itself allocates is collected as usual. On exit everything is unfrozen and collection is as it
     was. The worker processes fork with the objects frozen: their collections do not touch (and copy) the pages
-    they share with this one. Left alone entirely where the program froze objects itself."""
+    they share with this one. Left alone entirely where the program froze objects itself.
+
+    On the H200 (BENCHMARKS.md §0p) 16k-image runs still had two full collections of 0.25-0.34 s with this in
+    place: something there collects explicitly, or had frozen objects first (which leaves this inactive); the
+    benchmark now records the frames that start each one."""
 
     def __init__(self) -> None:
         self.active = False
