@@ -128,6 +128,24 @@ merge_json() {
   python3 -c "import glob, json, os, sys; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in \
     sorted(glob.glob(sys.argv[1] + '/*.json'))}, open(sys.argv[2], 'w'), indent=1)" "$1" "$OUT/$2.json"
 }
+# stitch prepare on 16,384 JPEGs (device decode, per-thread CPU) once per run "<code> <tag> [flags]" (use_code's code),
+# in the order given, while SECONDS < $2, each cut at $3 seconds; a 2,048-image run warms the machine first; the
+# results, prepare_stitch_$1_16384_<code>_<tag>, go to $OUT/prepare_stitch_$1.json
+compare_codes() {
+  local name=$1 guard=$2 limit=$3 run
+  shift 3
+  timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+    > /dev/null 2>&1
+  for run in "$@"; do
+    set -- $run
+    use_code "$1"
+    [ $SECONDS -lt "$guard" ] && timeout $((limit - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
+      --decode device --skip-encode --thread-cpu "${@:3}" --name "prepare_stitch_${name}_16384_$1_$2" \
+      --out "/tmp/$name" 2>&1 | grep -E "^prepare|Error" | cut -c1-120
+  done
+  use_code new
+  merge_json "/tmp/$name" "prepare_stitch_$name"
+}
 # the encoder's side-stream GPU test, then again with the tower no longer waiting for its chunk's copy (must fail)
 side_stream_test_and_mutation() {
   timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
@@ -684,17 +702,9 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     install_datasets
     timeout 200 python3 benchmarks/device_inputs_check.py --images 4096 --old .bench-old/encoder_8debdc7.py \
       --out "$OUT" 2>&1 | grep -vi warn | cut -c1-1500
-    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
-      > /dev/null 2>&1
-    for run in "new d a" "r16 d a" "new s a" "r16 s a" "r16 d b" "new d b" "r16 s b" "new s b"; do
-      set -- $run
-      use_code "$1"
-      [ $SECONDS -lt 440 ] && timeout $((520 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
-        --decode device --skip-encode --thread-cpu $([ "$2" = s ] && echo "--switch-interval 0.0005") \
-        --name prepare_stitch_round17_16384_$1_$2_$3 --out /tmp/r17 2>&1 | grep -E "^prepare|Error" | cut -c1-120
-    done
-    use_code new
-    merge_json /tmp/r17 prepare_stitch_round17
+    compare_codes round17 440 520 "new d_a" "r16 d_a" "new s_a --switch-interval 0.0005" \
+      "r16 s_a --switch-interval 0.0005" "r16 d_b" "new d_b" "r16 s_b --switch-interval 0.0005" \
+      "new s_b --switch-interval 0.0005"
     ;;
   inputs17b)  # inputs17 found the 6th device_batch of every run ~0.4 s slower than its neighbours and the first one
     # 0.3-0.5 s slower: Python's full collections (gc.freeze in prepare now), and what is cold in the first batch;
@@ -708,32 +718,12 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       timeout 60 python3 benchmarks/device_inputs_check.py --images 8192 --cold $warm --out /tmp/cold_$warm 2>&1 \
         | grep -E "^cold|Error" | cut -c1-300
     done
-    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
-      > /dev/null 2>&1
-    for run in "new a" "r16 a" "c17 a" "c17 b" "r16 b" "new b" "new c" "c17 c" "r16 c"; do
-      set -- $run
-      use_code "$1"
-      [ $SECONDS -lt 470 ] && timeout $((540 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
-        --decode device --skip-encode --thread-cpu --name prepare_stitch_round17b_16384_$1_$2 --out /tmp/r17b 2>&1 \
-        | grep -E "^prepare|Error" | cut -c1-120
-    done
-    use_code new
-    merge_json /tmp/r17b prepare_stitch_round17b
+    compare_codes round17b 470 540 "new a" "r16 a" "c17 a" "c17 b" "r16 b" "new b" "new c" "c17 c" "r16 c"
     ;;
   inputs17c)  # round 17's final code (the start-up's imports frozen too, collection off until the first shard)
     # against r16, alternating; then the first device_batch of a fresh process profiled, and the micro benchmark
     install_datasets
-    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
-      > /dev/null 2>&1
-    for run in "new a" "r16 a" "r16 b" "new b"; do
-      set -- $run
-      use_code "$1"
-      [ $SECONDS -lt 200 ] && timeout $((260 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 16384 \
-        --decode device --skip-encode --thread-cpu --name prepare_stitch_round17c_16384_$1_$2 --out /tmp/r17c 2>&1 \
-        | grep -E "^prepare|Error" | cut -c1-120
-    done
-    use_code new
-    merge_json /tmp/r17c prepare_stitch_round17c
+    compare_codes round17c 200 260 "new a" "r16 a" "r16 b" "new b"
     timeout 60 python3 benchmarks/device_inputs_check.py --images 4096 --cold shipped --profile --out "$OUT" 2>&1 \
       | grep -vi warn | cut -c1-200
     [ $SECONDS -lt 230 ] && timeout $((300 - SECONDS)) python3 benchmarks/device_inputs_check.py --images 2048 \
