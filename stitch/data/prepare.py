@@ -50,6 +50,7 @@ from stitch.data.feature_cache import (
 )
 from stitch.data.shared_slots import SharedSlots, SlotRef
 from stitch.plugins.specs import EncoderSpec
+from stitch.runs.checkpoint import write_text_atomic
 
 REPORT_NAME = "prepare-report.json"
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -1244,10 +1245,10 @@ class _Preparation:
             self.check_transient(tmp)
             os.replace(manifest_tmp, manifest_path)
         except PrepareError as exc:  # the report says what was scanned and skipped, also when preparation fails
-            _write_json_atomic(self.out_dir / REPORT_NAME, {
+            write_text_atomic(self.out_dir / REPORT_NAME, _json_text({
                 "out_dir": str(self.out_dir), "complete": False, "error": str(exc), "rows_scanned": self.rows_scanned,
                 "skipped": self.skipped, "skipped_by_reason": skipped_by_reason(self.skipped, first=len(self.skipped)),
-            })
+            }))
             raise
         finally:
             # a shard being encoded is finished and handed to the writer (those queued behind it are dropped), then
@@ -1286,8 +1287,12 @@ class _Preparation:
             encode_seconds={k: round(v, 4) for k, v in self.encode_seconds.items()},
             media_chunks=dict(self.media_chunks),
         )
-        _write_json_atomic(self.out_dir / REPORT_NAME, dataclasses.asdict(report))
+        write_text_atomic(self.out_dir / REPORT_NAME, _json_text(dataclasses.asdict(report)))
         return report
+
+
+def _json_text(payload: Any) -> str:
+    return json.dumps(payload, indent=2) + "\n"
 
 
 @contextlib.contextmanager
@@ -1296,12 +1301,6 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
 
     with tqdm(total=total, desc="prepare", unit="row", disable=not enabled, leave=False) as bar:
         yield bar
-
-
-def _write_json_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def prepare(
