@@ -168,6 +168,34 @@ def test_a_fresh_run_loads_the_encoder_while_its_first_shard_decodes_and_a_rerun
     assert report.shards_reused == 4 and events == []
 
 
+def test_the_wait_for_a_slow_loading_encoder_is_reported_as_encoder_load_not_as_encode(tmp_path, host_module,
+                                                                                       monkeypatch):
+    """The loader thread returns 0.5 s after the encode thread has made its first batch's input (and waits for
+    the encoder): that half second is ``encoder_load``, and ``encode`` does not count it again."""
+    import threading
+
+    from stitch.data import prepare as prep
+
+    inner = host_module.get("encoders", ENCODER)
+    first_input = threading.Event()
+    batch = prep._Preparation.batch
+
+    def recorded_batch(self, items):
+        first_input.set()
+        return batch(self, items)
+
+    def slow_load(source, device, dtype):
+        assert first_input.wait(20)
+        time.sleep(0.5)
+        return inner.load(source, device, dtype)
+
+    monkeypatch.setattr(prep._Preparation, "batch", recorded_batch)
+    report = prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out",
+                     host=_EncoderHost(host_module, slow_load), progress=False)
+    assert report.encode_seconds["encoder_load"] >= 0.5
+    assert report.encode_seconds["encode"] < report.seconds - report.encode_seconds["encoder_load"]
+
+
 def _recording_encoder(host, record):
     """The test encoder, calling ``record()`` as each encode begins."""
     inner = host.get("encoders", ENCODER).load(host.get("encoders", ENCODER).source, "cpu", torch.float16)

@@ -909,7 +909,6 @@ class _Preparation:
     def encoder(self) -> Any:
         if self._encoder is not None and self._encoder_ready:
             return self._encoder
-        started = time.perf_counter()
         if self._encoder is None:  # loaded only when a shard is missing: a full re-run never loads it
             self._encoder = self._loading.result() if self._loading is not None else self.load_encoder()
         if not self._encoder_ready:
@@ -922,7 +921,6 @@ class _Preparation:
                                        f"compile(batch_size); encoder {self.spec.name!r} has none: set it to auto "
                                        f"or never")
                 self._encoder.compile(self.data.encode_batch_size)
-        self.encode_seconds["encoder_load"] += time.perf_counter() - started
         return self._encoder
 
     def retained(self) -> int:
@@ -1174,7 +1172,6 @@ class _Preparation:
             warming, self._warming_inputs = self._warming_inputs, None
             warming.result()
         waited = time.perf_counter() - started  # start-up, counted as the encoder's loading
-        self.encode_seconds["encoder_load"] += waited
         encoder = None
         items = [(row.id, item) for row in rows for item in row.media]
         row_ends = set(itertools.accumulate(len(row.media) for row in rows))
@@ -1204,6 +1201,7 @@ class _Preparation:
             self.advance(bar, sum(1 for end in row_ends if start < end <= start + len(batch)))
         if self.pinned:
             torch.cuda.current_stream().synchronize()  # every copy into ``out`` has landed before it is written
+        self.encode_seconds["encoder_load"] += waited
         self.encode_seconds["inputs"] += inputs
         self.encode_seconds["encode"] += time.perf_counter() - started - inputs - waited
         return out
