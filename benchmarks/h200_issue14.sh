@@ -90,6 +90,7 @@
 #                                             # pauses
 #   bash benchmarks/h200_issue14.sh inputs17c  # 16k prepare, r16 against this round's final code; the first
 #                                             # device_batch under cProfile; device_batch taken apart
+#   bash benchmarks/h200_issue14.sh next18     # (not yet run) 16k and 64k: this code against r16, with gc's callers
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -728,6 +729,18 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       | grep -vi warn | cut -c1-200
     [ $SECONDS -lt 230 ] && timeout $((300 - SECONDS)) python3 benchmarks/device_inputs_check.py --images 2048 \
       --old .bench-old/encoder_8debdc7.py --out "$OUT" 2>&1 | grep -vi warn | cut -c1-1500
+    ;;
+  next18)  # prepared at the end of round 17, not yet run: who starts the two full collections each 16k run still
+    # had (gc.gen2_callers, gc.at_start in the JSONs), this code against r16 at 16k, then 64k once each
+    install_datasets
+    compare_codes round18 300 380 "new a" "r16 a" "r16 b" "new b"
+    for code in new r16; do
+      use_code $code
+      [ $SECONDS -lt 440 ] && timeout $((560 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
+        --decode device --skip-encode --name prepare_stitch_round18_65536_$code --out "$OUT" 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-120
+    done
+    use_code new
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets
