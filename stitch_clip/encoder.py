@@ -300,14 +300,14 @@ class ClipDeviceGeometry:
                            device=device)
 
     def weights(self, n_in: int, n_out: int, start: int, length: int, device: torch.device) -> torch.Tensor:
-        """[length, n_in]: row ``o`` holds the weights of output ``start + o`` of an antialiased bicubic resize
+        """[n_in, length]: column ``o`` holds the weights of output ``start + o`` of an antialiased bicubic resize
         of ``n_in`` samples to ``n_out`` (torch's filter, which is PIL's): the resize of an identity matrix."""
         key = (n_in, n_out, start, length, str(device))
         found = self._weights.get(key)
         if found is None:
             eye = torch.eye(n_in, dtype=torch.float32, device=device)[None, None]
             resized = torch.nn.functional.interpolate(eye, size=(n_in, n_out), mode="bicubic", antialias=True)
-            found = self._weights[key] = resized[0, 0, :, start : start + length].T.contiguous()
+            found = self._weights[key] = resized[0, 0, :, start : start + length].contiguous()
         return found
 
     def size_weights(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,8 +318,8 @@ class ClipDeviceGeometry:
         if found is None:
             ch, cw = self.cpu.crop
             (out_w, out_h), top, left = self.cpu.placement(w, h)
-            found = self._sizes[key] = (self.weights(h, out_h, top, ch, device).T,
-                                        self.weights(w, out_w, left, cw, device).T)
+            found = self._sizes[key] = (self.weights(h, out_h, top, ch, device),
+                                        self.weights(w, out_w, left, cw, device))
         return found
 
     def resize_crop(self, images: list[torch.Tensor], device: torch.device) -> torch.Tensor:

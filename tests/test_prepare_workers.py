@@ -224,8 +224,8 @@ def test_the_encoder_runs_on_the_callers_torch_threads_and_they_are_restored(tmp
 
 def test_objects_from_before_prepare_are_out_of_full_collections_while_it_encodes_and_back_after(tmp_path,
                                                                                                host_module):
-    """gc.freeze for the run: a full collection walks only what prepare allocated (the libraries' ~0.4 M objects
-    stalled every thread for 0.3-0.4 s a collection), collection is on while it encodes, and the objects are
+    """gc.freeze for the run: a full collection walks only what prepare allocated (with the libraries' ~0.4 M
+    objects one took 0.21-0.29 s on the CPU machine), collection is on while it encodes, and the objects are
     collectable again once it returns; a program that froze objects itself keeps them frozen."""
     import gc
 

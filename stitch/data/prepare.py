@@ -832,7 +832,7 @@ def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any])
 class _Preparation:
     def __init__(
         self, recipe: Recipe, out_dir: Path, spec: EncoderSpec, encoder: Any, device: str, progress: bool,
-        prompts: PromptCheck, clock: PhaseClock, frozen: ObjectsFrozen | None = None,
+        prompts: PromptCheck, clock: PhaseClock, frozen: ObjectsFrozen,
     ) -> None:
         self.recipe, self.data, self.spec = recipe, recipe.data, spec
         self.out_dir = out_dir
@@ -869,7 +869,7 @@ class _Preparation:
         self.prompts = prompts
         self.decoder = RowDecoder(prompts, MediaDecoder(self.paths, spec.decode_item, self.preprocess))
         self.clock = clock
-        self.frozen = frozen or ObjectsFrozen()  # settled at the first shard and when the encoder is loaded
+        self.frozen = frozen  # settled at the first shard and when the encoder is loaded
         self.worker_seconds = {"prompt": 0.0, "media": 0.0}  # summed over chunks, whichever process ran them
         self._loading: Future | None = None  # the encoder, loading in a thread while the first rows decode
         self._warming_inputs: Future | None = None  # the device preprocessing's set-up, in a thread beside it
