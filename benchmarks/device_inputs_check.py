@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import log, now, write_result  # noqa: E402
-from benchmarks.prepare_stitch import make_dataset  # noqa: E402
+from benchmarks.common import log, now, sync, write_result  # noqa: E402
+from benchmarks.prepare_stitch import make_dataset, thread_cpu_now  # noqa: E402
 from stitch_clip.encoder import ClipDeviceGeometry, ClipGeometry, JpegItem  # noqa: E402
 
 
@@ -61,23 +61,6 @@ def pil_decode(datas: list[bytearray], device: torch.device) -> list[torch.Tenso
 
     return [torch.from_numpy(np.asarray(Image.open(io.BytesIO(bytes(d))).convert("RGB")).copy()).permute(2, 0, 1)
             .to(device) for d in datas]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def thread_cpu() -> dict[int, float]:
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 class ReadFile(ClipDeviceGeometry):
@@ -128,13 +111,13 @@ class Busy:
         sys.setswitchinterval(self.interval)
 
 
-def timed(fn: Any, device: torch.device, repeats: int) -> float:
+def timed(fn: Any, repeats: int) -> float:
     fn()
-    sync(device)
+    sync()
     started = time.perf_counter()
     for _ in range(repeats):
         fn()
-    sync(device)
+    sync()
     return (time.perf_counter() - started) / repeats
 
 
@@ -154,7 +137,7 @@ class PhotoWarmUp(ClipDeviceGeometry):
         buf = io.BytesIO()
         Image.fromarray(noise).save(buf, "JPEG", quality=90)
         self.resize_crop(self.decode_jpegs([bytearray(buf.getvalue())] * self.DEVICE_CHUNK, device), device)
-        sync(device)
+        sync()
 
 
 def cold(args: argparse.Namespace, device: torch.device, items: list[Any]) -> dict[str, Any]:
@@ -165,7 +148,7 @@ def cold(args: argparse.Namespace, device: torch.device, items: list[Any]) -> di
         geometry.decode_jpegs = pil_decode
     started = time.perf_counter()
     geometry.warm_up(device)
-    sync(device)
+    sync()
     out: dict[str, Any] = {"warm_up_s": round(time.perf_counter() - started, 3), "batches_s": []}
     for s in range(0, min(len(items), 6 * args.batch), args.batch):
         profile = None
@@ -176,7 +159,7 @@ def cold(args: argparse.Namespace, device: torch.device, items: list[Any]) -> di
             profile.enable()
         began = time.perf_counter()
         geometry.device_batch(items[s : s + args.batch], device)
-        sync(device)
+        sync()
         out["batches_s"].append(round(time.perf_counter() - began, 3))
         if profile is not None:
             profile.disable()
@@ -242,12 +225,12 @@ def main() -> None:
             return [[[b[i].read() for i in at] for at in c] for b, c in zip(batches, per_chunk, strict=True)]
 
         reads = read_all()
-        us["read"] = timed(read_all, device, args.repeats) / n * 1e6
+        us["read"] = timed(read_all, args.repeats) / n * 1e6
         decoded = [[shipped.decode_jpegs(d, device) for d in r] for r in reads]
-        before = thread_cpu()
-        us["decode"] = timed(lambda: [[shipped.decode_jpegs(d, device) for d in r] for r in reads], device,
+        before = {tid: cpu for tid, (_, cpu) in thread_cpu_now().items()}
+        us["decode"] = timed(lambda: [[shipped.decode_jpegs(d, device) for d in r] for r in reads],
                              args.repeats) / n * 1e6
-        after = thread_cpu()
+        after = {tid: cpu for tid, (_, cpu) in thread_cpu_now().items()}
         python_threads = {t.native_id for t in threading.enumerate()}
         me = threading.get_native_id()
         result["decode_loop_cpu_s"] = {
@@ -260,13 +243,13 @@ def main() -> None:
             for images in r:
                 shipped.resize_crop(images, device)
         us["resize_host"] = (time.perf_counter() - started) / n * 1e6
-        sync(device)
+        sync()
         us["resize_with_device"] = (time.perf_counter() - started) / n * 1e6
         if old is not None:
             before_geometry = old.ClipDeviceGeometry(old.ClipGeometry(224, (224, 224), 3), decoder_version="check")
             before_geometry.warm_up(device)
             us["resize_old_host"] = timed(lambda: [[before_geometry.resize_crop(im, device) for im in r]
-                                                   for r in decoded], device, args.repeats) / n * 1e6
+                                                   for r in decoded], args.repeats) / n * 1e6
         del decoded, reads
 
     variants: dict[str, Any] = {"shipped": shipped, "serial": Serial(cpu, decoder_version="check")}
@@ -289,7 +272,7 @@ def main() -> None:
         result["pixels_equal_to_shipped"][name] = all(
             torch.equal(geometry.device_batch(b, device), ref) for b, ref in zip(batches, reference, strict=True))
         us[f"device_batch_{name}"] = timed(lambda g=geometry, a=batches: [g.device_batch(b, device) for b in a],
-                                           device, args.repeats) / n * 1e6
+                                           args.repeats) / n * 1e6
         # beside a thread busy a third of the time (prepare's main thread's share in round 16), with the default
         # switch interval (5 ms) and with 0.5 ms; the first two batches, once
         few = batches[:2]
@@ -297,7 +280,7 @@ def main() -> None:
                             ("busy100_si05", Busy(1.0, 5e-4))):
             with busy:
                 us[f"device_batch_{name}_{label}"] = timed(
-                    lambda g=geometry, f=few: [g.device_batch(b, device) for b in f], device, 1) / sum(map(len, few)) * 1e6
+                    lambda g=geometry, f=few: [g.device_batch(b, device) for b in f], 1) / sum(map(len, few)) * 1e6
     result["images_per_s"] = {k: round(1e6 / v) for k, v in us.items()}
     result["us_per_image"] = {k: round(v, 1) for k, v in us.items()}
     for key, value in result.items():

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import io
 import json
 import os
@@ -321,16 +322,12 @@ class GcPauses:
             self.runs.append((info["generation"], self._started, time.perf_counter() - self._started))
 
     def __enter__(self) -> GcPauses:
-        import gc
-
         # prepare freezes and pauses collection only where nothing froze objects before it
         self.at_start = {"frozen_objects": gc.get_freeze_count(), "enabled": gc.isenabled()}
         gc.callbacks.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import gc
-
         gc.callbacks.remove(self)
 
     def summary(self, t0: float) -> dict:
