@@ -90,6 +90,7 @@
 #                                             # pauses
 #   bash benchmarks/h200_issue14.sh inputs17c  # 16k prepare, r16 against this round's final code; the first
 #                                             # device_batch under cProfile; device_batch taken apart
+#   bash benchmarks/h200_issue14.sh gc18       # who starts the full collections; 16k twice, 64k once; explicit collects
 #   bash benchmarks/h200_issue14.sh next18     # (not yet run) 16k and 64k: this code against r16, with gc's callers
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
@@ -741,6 +742,20 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
         | grep -E "^prepare|Error" | cut -c1-120
     done
     use_code new
+    ;;
+  gc18)  # who starts the full collections (gc.gen2_callers, gc.at_start), this code at 16k twice and 64k once,
+    # and which installed libraries collect explicitly
+    install_datasets
+    grep -rn "gc\.collect(\|gc\.freeze(" /tmp/site/datasets /tmp/site/pyarrow "$(python3 -c 'import torch, os; \
+      print(os.path.dirname(torch.__file__))')" 2>/dev/null | grep -v "/test" | cut -c1-160 > "$OUT/gc_calls.txt"
+    compare_codes gc18 200 260 "new a" "new b"
+    [ $SECONDS -lt 300 ] && timeout $((400 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
+      --decode device --skip-encode --name prepare_stitch_gc18_65536_new --out "$OUT" 2>&1 \
+      | grep -E "^prepare|Error" | cut -c1-120
+    python3 -c "import json, sys; [print(k, json.dumps(v['prepare']['gc'])[:1500]) for k, v in \
+      json.load(open(sys.argv[1])).items()]" "$OUT/prepare_stitch_gc18.json"
+    python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))['prepare']['gc'])[:1500])" \
+      "$OUT/prepare_stitch_gc18_65536_new.json"
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets

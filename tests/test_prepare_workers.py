@@ -229,15 +229,17 @@ def test_objects_from_before_prepare_are_out_of_full_collections_while_it_encode
     collectable again once it returns; a program that froze objects itself keeps them frozen."""
     import gc
 
+    from stitch.data.prepare import PARKED_BY_PYTHON
+
     seen = []  # (objects frozen, collection on) as each encode begins
     recording = _recording_encoder(host_module, lambda: seen.append((gc.get_freeze_count(), gc.isenabled())))
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert gc.get_freeze_count() <= PARKED_BY_PYTHON and gc.isenabled()
     before = len(gc.get_objects())
     prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out", host=host_module,
             encoder=recording, progress=False)
     assert seen and min(frozen for frozen, _ in seen) >= before // 2  # the objects of before, frozen
     assert all(enabled for _, enabled in seen)  # settled: what prepare makes is collected
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert gc.get_freeze_count() <= PARKED_BY_PYTHON and gc.isenabled()
 
     gc.freeze()  # the program's own freeze: prepare leaves it as it is
     try:
@@ -248,6 +250,31 @@ def test_objects_from_before_prepare_are_out_of_full_collections_while_it_encode
                 host=host_module, encoder=recording, progress=False)
         assert seen and max(frozen for frozen, _ in seen) <= ours  # nothing more frozen (some freed)
         assert gc.get_freeze_count() >= ours // 2  # and not unfrozen by prepare
+    finally:
+        gc.unfreeze()
+
+
+def test_the_objects_python_3_12_parks_itself_do_not_count_as_the_programs_freeze(monkeypatch):
+    """Python 3.12 keeps its immortal objects (375 at start-up) in the permanent generation, where a freeze puts
+    objects: that count must not read as the program's own freeze, or prepare leaves full collections on (the
+    H200's Python 3.12 did, two of 0.25-0.44 s per 16k-image run). Simulated on any Python: what is frozen here is
+    what the interpreter parked, and a count above it is the program's."""
+    import gc
+
+    import stitch.data.prepare as prep
+
+    gc.freeze()  # as if the interpreter had parked these
+    try:
+        monkeypatch.setattr(prep, "PARKED_BY_PYTHON", gc.get_freeze_count())
+        with prep.ObjectsFrozen() as frozen:
+            assert frozen.active and not gc.isenabled()  # start-up: collection off, the objects frozen
+            frozen.settle()
+            assert gc.isenabled()
+        assert gc.isenabled()
+        monkeypatch.setattr(prep, "PARKED_BY_PYTHON", gc.get_freeze_count())
+        gc.freeze()  # and now one more than the interpreter's: the program's own
+        with prep.ObjectsFrozen() as frozen:
+            assert not frozen.active and gc.isenabled()
     finally:
         gc.unfreeze()
 

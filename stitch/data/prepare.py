@@ -221,6 +221,11 @@ def _one_host_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+# objects in the permanent generation that the program did not freeze: Python 3.12 moves its immortal objects there
+# (375 at start-up, 0 before 3.12 and from 3.13); ObjectsFrozen reads a count above this as the program's own freeze
+PARKED_BY_PYTHON = gc.get_freeze_count()
+
+
 class ObjectsFrozen:
     """Python's cyclic collector kept off the objects prepare did not make. A full collection walks every tracked
     object while each thread of the process waits: with torch, transformers and datasets imported (~0.43 M
@@ -229,20 +234,22 @@ class ObjectsFrozen:
     On entry the objects that exist (the imported libraries, the tokenizer) are frozen (``gc.freeze``) and
     collection is off while the run starts; ``settle`` (the first shard gathered, the encoder loaded) freezes what
     the start-up imported meanwhile (``datasets``, the encoder's modules, torchvision) and turns collection back on,
-    so what prepare itself allocates is collected as usual. On exit everything is unfrozen and collection is as it
-    was. The worker processes fork with the objects frozen: their collections do not touch (and copy) the pages
+    so what prepare itself allocates is collected as usual. On exit everything is unfrozen (Python 3.12's own
+    parked objects too, which its next collection parks again) and collection is as it was. The worker processes fork with the objects frozen: their collections do not touch (and copy) the pages
     they share with this one. Left alone entirely where the program froze objects itself.
 
-    On the H200 (BENCHMARKS.md §0p) 16k-image runs still had two full collections of 0.25-0.34 s with this in
-    place: something there collects explicitly, or had frozen objects first (which leaves this inactive); the
-    benchmark now records the frames that start each one."""
+    "The program froze objects itself" means more objects frozen than the interpreter keeps there on its own:
+    Python 3.12 moves its immortal objects (375 tuples at start-up) into the permanent generation, so a freeze count
+    of 0 is no sign of an untouched program. Until this compared against that count (``PARKED_BY_PYTHON``, read at
+    import), the H200's Python 3.12 left it inactive, and 16k-image runs there had two full collections of
+    0.25-0.44 s, started by allocations of the stream, the encode thread and the process pool's manager thread."""
 
     def __init__(self) -> None:
         self.active = False
         self.was_enabled = True
 
     def __enter__(self) -> ObjectsFrozen:
-        if not gc.get_freeze_count():
+        if gc.get_freeze_count() <= PARKED_BY_PYTHON:
             self.active, self.was_enabled = True, gc.isenabled()
             gc.disable()
             gc.freeze()
