@@ -91,6 +91,8 @@
 #   bash benchmarks/h200_issue14.sh inputs17c  # 16k prepare, r16 against this round's final code; the first
 #                                             # device_batch under cProfile; device_batch taken apart
 #   bash benchmarks/h200_issue14.sh gc18       # who starts the full collections; 16k twice, 64k once; explicit collects
+#   bash benchmarks/h200_issue14.sh weights18  # closed-form resize weights, 3.12's parked objects: GPU tests, cold and
+#                                             # warm device_batch against r16, 16k against r16, 64k
 #   bash benchmarks/h200_issue14.sh next18     # (not yet run) 16k and 64k: this code against r16, with gc's callers
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
@@ -756,6 +758,23 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       json.load(open(sys.argv[1])).items()]" "$OUT/prepare_stitch_gc18.json"
     python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))['prepare']['gc'])[:1500])" \
       "$OUT/prepare_stitch_gc18_65536_new.json"
+    ;;
+  weights18)  # the closed-form resize weights and Python 3.12's parked objects: the GPU tests, the first
+    # device_batch calls of a fresh process (profiled), device_batch against r16 (speed, pixels), 16k prepare against
+    # r16 alternating, 64k once
+    install_datasets
+    python3 -c "import sys, stitch.data.prepare as p; print(sys.version.split()[0], 'parked', p.PARKED_BY_PYTHON)"
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
+      tests/test_prepare_workers.py -k "gpu or device or parks or objects_from" 2>&1 | tee "$OUT/gpu_tests.log" \
+      | grep -E "passed|failed|Error" | cut -c1-400
+    timeout 60 python3 benchmarks/device_inputs_check.py --images 4096 --cold shipped --profile --out "$OUT" 2>&1 \
+      | grep -vi warn | tail -36 | cut -c1-200
+    timeout 150 python3 benchmarks/device_inputs_check.py --images 2048 --old .bench-old/encoder_8debdc7.py \
+      --out "$OUT" 2>&1 | grep -E "pixels|images_per_s|Error" | cut -c1-1500
+    compare_codes weights18 330 400 "new a" "r16 a" "new b" "r16 b"
+    [ $SECONDS -lt 420 ] && timeout $((480 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
+      --decode device --skip-encode --name prepare_stitch_weights18_65536_new --out "$OUT" 2>&1 \
+      | grep -E "^prepare|Error" | cut -c1-120
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -197,11 +198,13 @@ class ClipGeometry:
 
     def on_device(self, device: str | torch.device) -> ClipGeometry | ClipDeviceGeometry:
         """The preprocessing for an encoder on ``device``: on a CUDA device with torchvision installed, JPEGs
-        decode there (``ClipDeviceGeometry``); anywhere else, this one."""
+        decode there (``ClipDeviceGeometry``) where the processor's filter is bilinear or bicubic; anywhere else,
+        this one."""
         import importlib.util
 
         on_cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
-        if on_cuda and importlib.util.find_spec("torchvision") is not None:
+        # the device resizes with the filters resize_weights computes; any other stays with the workers' PIL
+        if on_cuda and self.resample in AA_HALF_WIDTH and importlib.util.find_spec("torchvision") is not None:
             return ClipDeviceGeometry(self)
         return self
 
@@ -253,6 +256,41 @@ def device_decodable(data: bytes) -> tuple[int, int] | None:
         return None
 
 
+# PIL's resample filters the device geometry computes (``resize_weights``): each one's half-width in input samples
+# at scale 1 (bilinear's triangle, bicubic's cubic with a = -0.5)
+AA_HALF_WIDTH = {2: 1.0, 3: 2.0}
+
+
+def _aa_filter(x: torch.Tensor, resample: int) -> torch.Tensor:
+    """PIL's (and torch's antialiased) filter ``resample`` at distances ``x`` >= 0."""
+    if resample == 2:
+        return (1.0 - x).clamp_(min=0.0)
+    return torch.where(x < 1.0, (1.5 * x - 2.5) * x * x + 1.0,
+                       torch.where(x < 2.0, ((-0.5 * x + 2.5) * x - 4.0) * x + 2.0, 0.0))
+
+
+def resize_weights(sizes: torch.Tensor, length: int, size: int, taps: int, resample: int) -> torch.Tensor:
+    """float32 [B, length, size]: for each row ``(n_in, n_out, start)`` of the int64 [B, 3] ``sizes``, row ``o``
+    holds the weights over the input samples of output ``start + o`` of an antialiased resize of ``n_in`` samples
+    to ``n_out`` with PIL's filter ``resample``, zero from ``n_in`` on: PIL's and torch's rule (``interpolate(...,
+    antialias=True)``: a window of ``taps`` at most around each output's centre, the filter stretched by the
+    downscale, normalised to sum 1), in float64 for all images at once, then float32."""
+    n_in, n_out, start = sizes.double().unbind(-1)
+    scale = (n_in / n_out)[:, None]
+    support = AA_HALF_WIDTH[resample] * scale.clamp(min=1.0)
+    invscale = torch.where(scale >= 1.0, 1.0 / scale, 1.0)
+    center = scale * (start[:, None] + torch.arange(length, dtype=torch.float64, device=sizes.device) + 0.5)
+    first = (center - support + 0.5).trunc_().clamp_(min=0.0)  # the window, as C's int casts truncate
+    end = torch.minimum((center + support + 0.5).trunc_(), n_in[:, None])
+    at = first[..., None] + torch.arange(taps, dtype=torch.float64, device=sizes.device)  # [B, length, taps]
+    weights = _aa_filter(((at - center[..., None] + 0.5) * invscale[..., None]).abs_(), resample)
+    weights = weights * (at < end[..., None])
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros((sizes.shape[0], length, size), dtype=torch.float32, device=sizes.device)
+    # taps past the window weigh 0: clamped into the matrix, they add nothing wherever they land
+    return out.scatter_add_(2, at.long().clamp_(max=size - 1), weights.float())
+
+
 class ClipDeviceGeometry:
     """``ClipGeometry`` with the JPEG decode and the resize moved to the encoder's GPU, for prepare on CUDA.
 
@@ -263,8 +301,8 @@ class ClipDeviceGeometry:
     (``device_decodable``) and runs ``ClipGeometry`` on anything else (other formats, greyscale, rotated or
     truncated JPEGs). ``device_batch`` finishes a batch on the device: nvjpeg decodes the JPEGs at full size
     (torchvision's ``decode_jpeg``), and each image's shortest-edge resize + centre crop is one product
-    ``R_h @ x @ R_w^T``, whose matrices are torch's antialiased bicubic weights (PIL's filter) restricted to the
-    cropped rows and columns, so images of different sizes resize together in two batched GEMMs. Pixels differ
+    ``R_h @ x @ R_w^T``, whose matrices are the antialiased filter's weights (PIL's and torch's, ``resize_weights``)
+    restricted to the cropped rows and columns, so images of different sizes resize together in two batched GEMMs. Pixels differ
     from the CPU's by nvjpeg's IDCT and colour conversion and by float rounding against PIL's fixed point (mean
     under one level on COCO-like photos, BENCHMARKS.md), so the identity differs from the CPU geometry's."""
 
@@ -277,9 +315,9 @@ class ClipDeviceGeometry:
 
         self.cpu = cpu
         # nvjpeg comes with torchvision's build: another build may decode other pixels
-        self.identity = f"clip-nvjpeg/1 torchvision {decoder_version or version('torchvision')}"
-        self._weights: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._sizes: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # /2: the resize weights in closed form, float64 rounded to float32 (/1: torch's float32 resize of an
+        # identity matrix); pixels can differ from /1's by a level where a product sits at a rounding tie
+        self.identity = f"clip-nvjpeg/2 torchvision {decoder_version or version('torchvision')}"
         self._checked = False  # check_decoder has decoded on the device
         self._decoding: ThreadPoolExecutor | None = None  # device_batch's decode thread, made at its first call
 
@@ -299,43 +337,28 @@ class ClipDeviceGeometry:
         return decode_jpeg([torch.frombuffer(d, dtype=torch.uint8) for d in datas], mode=ImageReadMode.RGB,
                            device=device)
 
-    def weights(self, n_in: int, n_out: int, start: int, length: int, device: torch.device) -> torch.Tensor:
-        """[n_in, length]: column ``o`` holds the weights of output ``start + o`` of an antialiased bicubic resize
-        of ``n_in`` samples to ``n_out`` (torch's filter, which is PIL's): the resize of an identity matrix."""
-        key = (n_in, n_out, start, length, str(device))
-        found = self._weights.get(key)
-        if found is None:
-            eye = torch.eye(n_in, dtype=torch.float32, device=device)[None, None]
-            resized = torch.nn.functional.interpolate(eye, size=(n_in, n_out), mode="bicubic", antialias=True)
-            found = self._weights[key] = resized[0, 0, :, start : start + length].contiguous()
-        return found
-
-    def size_weights(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """[h, crop_h] and [w, crop_w]: the row and column weights of an ``h`` x ``w`` image's resize + crop, under
-        one key per image size (one lookup an image)."""
-        key = (h, w, str(device))
-        found = self._sizes.get(key)
-        if found is None:
-            ch, cw = self.cpu.crop
-            (out_w, out_h), top, left = self.cpu.placement(w, h)
-            found = self._sizes[key] = (self.weights(h, out_h, top, ch, device),
-                                        self.weights(w, out_w, left, cw, device))
-        return found
-
     def resize_crop(self, images: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """uint8 [B, 3, crop_h, crop_w] of uint8 [3, h, w] images of any sizes: ``ClipGeometry``'s resize and
         crop (without its DCT-scaled decode) as a batched product, in float32 without TF32, rounded. The host
         work is a few calls a chunk, not an image: the zero-padded float batch is one nested tensor's
-        ``to_padded_tensor`` and each image's weights are one cached pair, padded together by ``pad_sequence``."""
-        from torch.nn.utils.rnn import pad_sequence
-
+        ``to_padded_tensor``, and every image's row and column weights come from one closed-form computation on
+        the device (``resize_weights``) fed by one small copy of the images' sizes."""
         height, width = max(i.shape[1] for i in images), max(i.shape[2] for i in images)
         x = torch.nested.as_nested_tensor(images, dtype=torch.float32).to_padded_tensor(
             0.0, (len(images), 3, height, width))
-        pairs = [self.size_weights(i.shape[1], i.shape[2], device) for i in images]
-        # [B, ch, H] and [B, cw, W], zero-padded beyond each image's own size
-        rows = pad_sequence([p[0] for p in pairs], batch_first=True).transpose(1, 2).contiguous()
-        cols = pad_sequence([p[1] for p in pairs], batch_first=True).transpose(1, 2).contiguous()
+        ch, cw = self.cpu.crop
+        sizes, ratio_h, ratio_w = [], 1.0, 1.0
+        for image in images:
+            h, w = image.shape[1], image.shape[2]
+            (out_w, out_h), top, left = self.cpu.placement(w, h)
+            sizes.append((h, out_h, top, w, out_w, left))
+            ratio_h, ratio_w = max(ratio_h, h / out_h), max(ratio_w, w / out_w)
+        at = torch.tensor(sizes, dtype=torch.int64)
+        at = at.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else at.to(device)
+        half = AA_HALF_WIDTH[self.cpu.resample]
+        # [B, ch, H] and [B, cw, W], zero beyond each image's own size
+        rows = resize_weights(at[:, 0:3], ch, height, 2 * math.ceil(half * ratio_h) + 1, self.cpu.resample)
+        cols = resize_weights(at[:, 3:6], cw, width, 2 * math.ceil(half * ratio_w) + 1, self.cpu.resample)
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would move pixels by up to a level
         try:

@@ -70,6 +70,26 @@ def test_batched_resize_crop_of_mixed_sizes_is_torchs_antialiased_bicubic_to_wit
     assert diff.float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("resample, mode", [(3, "bicubic"), (2, "bilinear")])
+def test_the_closed_form_resize_weights_are_torchs_antialiased_filter_rounded_to_float32(resample, mode):
+    """Every image's row and column weights in one closed-form computation (no matrix per size): for downscales
+    small and large, upscales, scale 1 and a crop offset, the float32 weights are torch's float64 resize of an
+    identity matrix rounded to float32 (to a unit in the last place), and zero beyond the image's own size. Bilinear
+    too: the processor's filter is the one the device computes."""
+    cases = [(480, 224, 0), (640, 298, 37), (224, 224, 0), (100, 224, 0), (57, 224, 0), (4000, 224, 0),
+             (225, 224, 0), (427, 320, 48), (1000, 999, 387)]
+    size = max(n_in for n_in, _, _ in cases) + 3
+    taps = 2 * int(np.ceil(clip_encoder.AA_HALF_WIDTH[resample] * max(n / o for n, o, _ in cases))) + 1
+    got = clip_encoder.resize_weights(torch.tensor(cases), 224, size, taps, resample)
+    assert got.shape == (len(cases), 224, size) and got.dtype == torch.float32
+    for (n_in, n_out, start), weights in zip(cases, got, strict=True):
+        eye = torch.eye(n_in, dtype=torch.float64)[None, None]
+        want = F.interpolate(eye, size=(n_in, n_out), mode=mode, antialias=True)[0, 0, :, start : start + 224].T
+        assert torch.equal(weights[:, n_in:], torch.zeros(224, size - n_in))
+        ulp = torch.finfo(torch.float32).eps * want.abs() + 1e-15  # a filter's exact zeros: ~1e-16 either way
+        assert ((weights[:, :n_in].double() - want).abs() <= ulp).all(), (n_in, n_out, start)
+
+
 def test_device_pixels_of_a_photo_stay_within_a_level_of_the_workers_uint8_geometry_on_average():
     """The same decoded photo through the batched float resize and through the workers' fixed-point uint8 resize
     (``ClipGeometry``; no DCT scaling below a 448-px short side): close, not equal."""
@@ -219,6 +239,9 @@ def test_decode_device_takes_the_device_variant_on_cuda_cpu_keeps_the_workers_an
     assert preprocess_for(None, "cuda:0", "cpu") is None
     with pytest.raises(PrepareError, match="has no variant"):  # an encoder with no fixed-shape preprocessing
         preprocess_for(None, "cuda:0", "device")
+    lanczos = ClipGeometry(224, (224, 224), 1)  # a filter the device does not compute: the workers' PIL keeps it
+    with pytest.raises(PrepareError, match="has no variant.*bilinear or bicubic"):
+        preprocess_for(lanczos, "cuda:0", "device")
     with pytest.raises(PrepareError, match="data.prepare.decode: device.*'cpu'.*decode: cpu"):
         preprocess_for(GEOMETRY, "cpu", "device")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchvision"

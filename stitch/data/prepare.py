@@ -786,7 +786,8 @@ def preprocess_for(preprocess: Any, device: str, decode: str) -> Any:
     if chosen is preprocess:
         raise PrepareError(
             f"data.prepare.decode: device, but the encoder's preprocessing ({type(preprocess).__name__}) has no "
-            f"variant for device {device!r} (CLIP's needs a CUDA device and torchvision installed); set "
+            f"variant for device {device!r} (CLIP's needs a CUDA device, torchvision installed and a bilinear or "
+            f"bicubic processor); set "
             f"data.prepare.decode: cpu"
         )
     return chosen
