@@ -93,6 +93,7 @@
 #   bash benchmarks/h200_issue14.sh gc18       # who starts the full collections; 16k twice, 64k once; explicit collects
 #   bash benchmarks/h200_issue14.sh weights18  # closed-form resize weights, 3.12's parked objects: GPU tests, cold and
 #                                             # warm device_batch against r16, 16k against r16, 64k
+#   bash benchmarks/h200_issue14.sh final18    # round 18's final code against r16 at 16k (4 runs to 2), 64k once
 #   bash benchmarks/h200_issue14.sh next18     # (not yet run) 16k and 64k: this code against r16, with gc's callers
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
@@ -774,6 +775,13 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     compare_codes weights18 330 400 "new a" "r16 a" "new b" "r16 b"
     [ $SECONDS -lt 420 ] && timeout $((480 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
       --decode device --skip-encode --name prepare_stitch_weights18_65536_new --out "$OUT" 2>&1 \
+      | grep -E "^prepare|Error" | cut -c1-120
+    ;;
+  final18)  # round 18's final code against r16 at 16k, four runs to two, alternating, on one host; 64k once
+    install_datasets
+    compare_codes final18 300 380 "new a" "r16 a" "new b" "new c" "r16 b" "new d"
+    [ $SECONDS -lt 380 ] && timeout $((450 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
+      --decode device --skip-encode --name prepare_stitch_final18_65536_new --out "$OUT" 2>&1 \
       | grep -E "^prepare|Error" | cut -c1-120
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
