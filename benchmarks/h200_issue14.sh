@@ -94,6 +94,7 @@
 #   bash benchmarks/h200_issue14.sh weights18  # closed-form resize weights, 3.12's parked objects: GPU tests, cold and
 #                                             # warm device_batch against r16, 16k against r16, 64k
 #   bash benchmarks/h200_issue14.sh final18    # round 18's final code against r16 at 16k (4 runs to 2), 64k once
+#   bash benchmarks/h200_issue14.sh gil18      # who holds the interpreter lock in a 16k run (py-spy; carry .whl-pyspy)
 #   bash benchmarks/h200_issue14.sh next18     # (not yet run) 16k and 64k: this code against r16, with gc's callers
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
@@ -783,6 +784,18 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     [ $SECONDS -lt 380 ] && timeout $((450 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
       --decode device --skip-encode --name prepare_stitch_final18_65536_new --out "$OUT" 2>&1 \
       | grep -E "^prepare|Error" | cut -c1-120
+    ;;
+  gil18)  # who holds the interpreter lock in a 16k run of round 18's code (py-spy --gil --threads at 250 Hz), after
+    # a warm-up run; carry .whl-pyspy too
+    install_datasets
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/spy .whl-pyspy/*.whl
+    timeout 100 python3 benchmarks/prepare_stitch.py --images 2048 --skip-encode --name prepare_warmup --out /tmp \
+      > /dev/null 2>&1
+    timeout 150 /tmp/spy/bin/py-spy record --gil --threads --nonblocking -r 250 -f raw -o "$OUT/gil18_16384.txt" -- \
+      python3 benchmarks/prepare_stitch.py --images 16384 --decode device --skip-encode --thread-cpu \
+      --name prepare_stitch_gil18_16384 --out "$OUT" 2>&1 | grep -E "^prepare|Error|py-spy" | cut -c1-200
+    python3 benchmarks/gil_summary.py "$OUT/gil18_16384.txt" 2>&1 | head -90
+    xz -9 "$OUT/gil18_16384.txt"
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets
