@@ -301,10 +301,11 @@ class ClipDeviceGeometry:
     (``device_decodable``) and runs ``ClipGeometry`` on anything else (other formats, greyscale, rotated or
     truncated JPEGs). ``device_batch`` finishes a batch on the device: nvjpeg decodes the JPEGs at full size
     (torchvision's ``decode_jpeg``), and each image's shortest-edge resize + centre crop is one product
-    ``R_h @ x @ R_w^T``, whose matrices are the antialiased filter's weights (PIL's and torch's, ``resize_weights``)
-    restricted to the cropped rows and columns, so images of different sizes resize together in two batched GEMMs. Pixels differ
-    from the CPU's by nvjpeg's IDCT and colour conversion and by float rounding against PIL's fixed point (mean
-    under one level on COCO-like photos, BENCHMARKS.md), so the identity differs from the CPU geometry's."""
+    ``R_h @ x @ R_w^T``, whose matrices are the antialiased filter's weights (PIL's and torch's,
+    ``resize_weights``) restricted to the cropped rows and columns, so images of different sizes resize together
+    in two batched GEMMs. Pixels differ from the CPU's by nvjpeg's IDCT and colour conversion and by float rounding
+    against PIL's fixed point (mean under one level on COCO-like photos, BENCHMARKS.md), so the identity differs
+    from the CPU geometry's. Only the bilinear and bicubic filters (``AA_HALF_WIDTH``) are computed here."""
 
     stacks = False  # items are JpegItems or tensors: each travels as it is, nothing is stacked in the worker
     DEVICE_CHUNK = 256  # images decoded and resized at once, at most
@@ -313,6 +314,9 @@ class ClipDeviceGeometry:
     def __init__(self, cpu: ClipGeometry, decoder_version: str | None = None) -> None:
         from importlib.metadata import version
 
+        if cpu.resample not in AA_HALF_WIDTH:
+            raise ValueError(f"the device geometry resizes with PIL's bilinear (2) or bicubic (3) filter, not "
+                             f"resample={cpu.resample}: keep this processor's decode on the CPU")
         self.cpu = cpu
         # nvjpeg comes with torchvision's build: another build may decode other pixels
         # /2: the resize weights in closed form, float64 rounded to float32 (/1: torch's float32 resize of an

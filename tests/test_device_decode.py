@@ -242,6 +242,8 @@ def test_decode_device_takes_the_device_variant_on_cuda_cpu_keeps_the_workers_an
     lanczos = ClipGeometry(224, (224, 224), 1)  # a filter the device does not compute: the workers' PIL keeps it
     with pytest.raises(PrepareError, match="has no variant.*bilinear or bicubic"):
         preprocess_for(lanczos, "cuda:0", "device")
+    with pytest.raises(ValueError, match="bilinear .2. or bicubic .3. filter, not resample=1"):
+        ClipDeviceGeometry(lanczos)
     with pytest.raises(PrepareError, match="data.prepare.decode: device.*'cpu'.*decode: cpu"):
         preprocess_for(GEOMETRY, "cpu", "device")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchvision"

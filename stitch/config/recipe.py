@@ -321,8 +321,8 @@ class PrepareOptions:
                                                        f"at least {COMPILE_AUTO_ITEMS} rows are selected")
     decode: DecodeChoice = Field("cpu", description="where media are decoded: cpu in the workers; device lets the "
                                                     "encoder's preprocessing finish on its device (CLIP: JPEGs by "
-                                                    "nvjpeg on a CUDA GPU, needs torchvision): for hosts with few "
-                                                    "CPU cores per GPU")
+                                                    "nvjpeg on a CUDA GPU, needs torchvision and a bilinear or bicubic "
+                                                    "processor): for hosts with few CPU cores per GPU")
 
     @property
     def worker_count(self) -> int:
