@@ -95,6 +95,7 @@
 #                                             # warm device_batch against r16, 16k against r16, 64k
 #   bash benchmarks/h200_issue14.sh final18    # round 18's final code against r16 at 16k (4 runs to 2), 64k once
 #   bash benchmarks/h200_issue14.sh gil18      # who holds the interpreter lock in a 16k run (py-spy; carry .whl-pyspy)
+#   bash benchmarks/h200_issue14.sh thread18   # the decoder's warm-up on the encode thread against its own thread, 16k
 #   bash benchmarks/h200_issue14.sh next18     # (not yet run) 16k and 64k: this code against r16, with gc's callers
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
@@ -126,6 +127,7 @@ use_code() {
     r15) from=.bench-old/prepare_966957e.py enc=.bench-old/encoder_966957e.py ;;
     r16) from=.bench-old/prepare_8debdc7.py enc=.bench-old/encoder_8debdc7.py ;;
     c17) from=.bench-old/prepare_9db2650.py enc=.bench-old/encoder_06bb0e9.py ;;
+    c18) from=.bench-old/prepare_64bfcfd.py ;;  # the decoder's warm-up in a thread of its own, this encoder.py
   esac
   cp "$from" stitch/data/prepare.py; cp "$enc" stitch_clip/encoder.py
 }
@@ -796,6 +798,13 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       --name prepare_stitch_gil18_16384 --out "$OUT" 2>&1 | grep -E "^prepare|Error|py-spy" | cut -c1-200
     python3 benchmarks/gil_summary.py "$OUT/gil18_16384.txt" 2>&1 | head -90
     xz -9 "$OUT/gil18_16384.txt"
+    ;;
+  thread18)  # the decoder's warm-up on the encode thread (new) against a thread of its own (c18, 64bfcfd), 16k,
+    # alternating, one host; the GPU tests first
+    install_datasets
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
+      -k "gpu or device" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    compare_codes thread18 230 290 "new a" "c18 a" "new b" "c18 b" "new c" "c18 c"
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets
