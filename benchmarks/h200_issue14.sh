@@ -127,7 +127,7 @@ use_code() {
     r15) from=.bench-old/prepare_966957e.py enc=.bench-old/encoder_966957e.py ;;
     r16) from=.bench-old/prepare_8debdc7.py enc=.bench-old/encoder_8debdc7.py ;;
     c17) from=.bench-old/prepare_9db2650.py enc=.bench-old/encoder_06bb0e9.py ;;
-    c18) from=.bench-old/prepare_64bfcfd.py ;;  # the decoder's warm-up in a thread of its own, this encoder.py
+    c18) from=.bench-old/prepare_64bfcfd.py ;;  # 64bfcfd: the decoder's warm-up in a thread of its own (thread18)
   esac
   cp "$from" stitch/data/prepare.py; cp "$enc" stitch_clip/encoder.py
 }

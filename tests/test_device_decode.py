@@ -340,15 +340,15 @@ def recorded_device_run(tmp_path, host, monkeypatch, hold_encoder_until: str):
     return events, held
 
 
-def test_a_fresh_device_run_sets_the_decoder_up_on_the_encode_thread_while_the_encoder_still_loads(
+def test_a_fresh_device_run_sets_the_decoder_up_in_its_own_thread_while_the_encoder_still_loads(
         tmp_path, host, monkeypatch):
-    """nvjpeg's set-up (``warm_up``: one JPEG decoded and resized, ~0.85 s on the H200) starts with the encoder's
-    loader, not after the encoder's warm-up in the loader thread: the encoder's warm-up here ends only once the
-    decoder's has begun. It runs on the encode thread, the one that then makes every batch (what CUDA's libraries
-    set up per thread is that thread's own), and its check leaves nothing to decode again on the first batch."""
+    """nvjpeg's set-up (``warm_up``: one JPEG decoded and resized, ~0.85 s on the H200) runs in a thread of its own
+    that starts with the encoder's loader, not after the encoder's warm-up in the loader thread: the encoder's
+    warm-up here ends only once the decoder's has begun. Its check leaves nothing to decode again on the first
+    batch."""
     events, held = recorded_device_run(tmp_path, host, monkeypatch, "warm_up")
     assert held == [True]  # serial (decoder after encoder, one thread): the wait times out
-    assert events[0][0] == "warm_up" and events[0][1].startswith("stitch-encode")
+    assert events[0][0] == "warm_up" and events[0][1].startswith("stitch-inputs-warm-up")
     assert events[1] == ("check_decoder", events[0][1])  # the warm-up decoded: the check is done
     batches = [thread for name, thread in events if name == "device_batch"]
     assert batches and all(thread.startswith("stitch-encode") for thread in batches)

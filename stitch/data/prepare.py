@@ -880,7 +880,7 @@ class _Preparation:
         self.frozen = frozen  # settled at the first shard and when the encoder is loaded
         self.worker_seconds = {"prompt": 0.0, "media": 0.0}  # summed over chunks, whichever process ran them
         self._loading: Future | None = None  # the encoder, loading in a thread while the first rows decode
-        self._warming_inputs: Future | None = None  # the device preprocessing's set-up, on the encode thread
+        self._warming_inputs: Future | None = None  # the device preprocessing's set-up, in a thread beside it
         self.writes: deque[tuple[str, list[_PendingRow], Future | str, int]] = deque()  # shards not yet in manifest
         self.writer: ThreadPoolExecutor | None = None
         # one thread encodes a shard (and hands it to the writer) while this one gathers the next: on a GPU the
@@ -905,16 +905,13 @@ class _Preparation:
         yet. The decode workers are already running, so loading overlaps decoding the first shard instead of
         following it; a re-run, whose shards may all exist, still loads it only when a shard is missing. A device
         preprocessing's ``warm_up(device)`` (CLIP's: nvjpeg's decoder and the resize's GEMMs, ~0.85 s on the H200)
-        runs beside the load, not after it (on the H200 the loader, not the gathering, held back the first shard),
-        on the encode thread, which is idle until the first shard is gathered and then makes every batch: what
-        CUDA's libraries set up per thread (cuBLAS's handle and workspace for the resize's GEMMs) is then the
-        encode thread's own, not a thread's that has ended."""
+        runs in a second thread beside the load, not after it: on the H200 the loader, not the gathering, held
+        back the first shard."""
         if self._encoder is None and not any(self.cache_dir.glob("*.safetensors")):
             self._loading = _in_thread("stitch-encoder-load", self.load_encoder, True)
             if callable(getattr(self.preprocess, "device_batch", None)) and \
                     callable(warm_inputs := getattr(self.preprocess, "warm_up", None)):
-                assert self.encoding is not None  # the encode thread's pool starts before the loader
-                self._warming_inputs = self.encoding.submit(warm_inputs, self.device)
+                self._warming_inputs = _in_thread("stitch-inputs-warm-up", warm_inputs, self.device)
 
     @property
     def encoder(self) -> Any:
