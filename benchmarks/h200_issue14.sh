@@ -96,7 +96,6 @@
 #   bash benchmarks/h200_issue14.sh final18    # round 18's final code against r16 at 16k (4 runs to 2), 64k once
 #   bash benchmarks/h200_issue14.sh gil18      # who holds the interpreter lock in a 16k run (py-spy; carry .whl-pyspy)
 #   bash benchmarks/h200_issue14.sh thread18   # the decoder's warm-up on the encode thread against its own thread, 16k
-#   bash benchmarks/h200_issue14.sh next18     # (not yet run) 16k and 64k: this code against r16, with gc's callers
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -736,18 +735,6 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       | grep -vi warn | cut -c1-200
     [ $SECONDS -lt 230 ] && timeout $((300 - SECONDS)) python3 benchmarks/device_inputs_check.py --images 2048 \
       --old .bench-old/encoder_8debdc7.py --out "$OUT" 2>&1 | grep -vi warn | cut -c1-1500
-    ;;
-  next18)  # prepared at the end of round 17, not yet run: who starts the two full collections each 16k run still
-    # had (gc.gen2_callers, gc.at_start in the JSONs), this code against r16 at 16k, then 64k once each
-    install_datasets
-    compare_codes round18 300 380 "new a" "r16 a" "r16 b" "new b"
-    for code in new r16; do
-      use_code $code
-      [ $SECONDS -lt 440 ] && timeout $((560 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
-        --decode device --skip-encode --name prepare_stitch_round18_65536_$code --out "$OUT" 2>&1 \
-        | grep -E "^prepare|Error" | cut -c1-120
-    done
-    use_code new
     ;;
   gc18)  # who starts the full collections (gc.gen2_callers, gc.at_start), this code at 16k twice and 64k once,
     # and which installed libraries collect explicitly

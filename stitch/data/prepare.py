@@ -235,8 +235,9 @@ class ObjectsFrozen:
     collection is off while the run starts; ``settle`` (the first shard gathered, the encoder loaded) freezes what
     the start-up imported meanwhile (``datasets``, the encoder's modules, torchvision) and turns collection back on,
     so what prepare itself allocates is collected as usual. On exit everything is unfrozen (Python 3.12's own
-    parked objects too, which its next collection parks again) and collection is as it was. The worker processes fork with the objects frozen: their collections do not touch (and copy) the pages
-    they share with this one. Left alone entirely where the program froze objects itself.
+    parked objects too, which its next collection parks again) and collection is as it was. The worker processes
+    fork with the objects frozen: their collections do not touch (and copy) the pages they share with this one.
+    Left alone entirely where the program froze objects itself.
 
     "The program froze objects itself" means more objects frozen than the interpreter keeps there on its own:
     Python 3.12 moves its immortal objects (375 tuples at start-up) into the permanent generation, so a freeze count
