@@ -239,10 +239,7 @@ def write_random_weights(model: Any, out_dir: Path, *, rename: Callable[[str], s
             pending.result()
     index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(plan.weight_map.items()))}
     if len(plan.files) > 1:
-        # imported here: checkpoint imports torch, and this module stays light to import
-        from stitch.runs.checkpoint import write_text_atomic
-
-        write_text_atomic(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+        _write_json(out_dir / "model.safetensors.index.json", index)
     return plan
 
 
@@ -292,6 +289,12 @@ def _is_persistent_buffer(model: Any, key: str) -> bool:
     module_name, _, name = key.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
     return name in dict(module.named_buffers(recurse=False)) and name not in module._non_persistent_buffers_set
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def shrink_layer_pattern(pattern: list[str], layers: int) -> list[str]:
