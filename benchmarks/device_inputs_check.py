@@ -12,6 +12,8 @@ alone in round 14). This script times, on ``--images`` JPEGs of prepare_stitch.p
 - the geometry of an earlier encoder.py (``--old``, e.g. round 16's: one indexed copy into the padded input and
   two weight lookups an image), and variants of this script's own (not shipped): larger nvjpeg chunks, each file
   read by one torch op, and the shipped geometry without its decode thread (``serial``);
+- the shipped geometry on items whose bytes are views of prepare's shared slot (``in_slot``: what a decode worker's
+  ``hand_over`` sends since round 19), against items naming their files (``shipped``);
 - each variant's pixels against the shipped ones: equal bit for bit, or the share that differs and by how much
   (an older geometry's identity may differ: round 18's closed-form weights moved a few pixels by a level).
 
@@ -261,6 +263,16 @@ def main() -> None:
     variants["chunk1024"] = big
     if device.type == "cuda":
         variants["readfile"] = ReadFile(cpu, decoder_version="check")
+    # the shipped geometry on items whose bytes a decode worker put into prepare's shared slot (round 19): their
+    # data is a view of the ring, nothing to read (written here by this process, through the same SlotWriter)
+    from stitch.data.shared_slots import SharedSlots
+
+    ring = SharedSlots(1, sum(os.path.getsize(i.data) + 64 for i in items))
+    writer = ring.writer(ring.acquire())
+    at = [writer.put(i.data) for i in items]
+    slot = ring.take_bytes(writer.ref())
+    in_slot = [i._replace(data=slot[a.offset : a.offset + a.length]) for i, a in zip(items, at, strict=True)]
+    variants["in_slot"] = shipped
     if device.type != "cuda":
         for geometry in variants.values():
             geometry.decode_jpegs = pil_decode
@@ -269,6 +281,8 @@ def main() -> None:
     for name, geometry in variants.items():
         # the old module's JpegItem is a class of its own: its geometry takes only those
         batches = [[old.JpegItem(*i) for i in b] for b in own] if name == "old" else own
+        if name == "in_slot":
+            batches = [in_slot[s : s + args.batch] for s in range(0, n, args.batch)]
         geometry.warm_up(device)
         diffs = [(geometry.device_batch(b, device).int() - ref.int()).abs() for b, ref in
                  zip(batches, reference, strict=True)]

@@ -96,6 +96,10 @@
 #   bash benchmarks/h200_issue14.sh final18    # round 18's final code against r16 at 16k (4 runs to 2), 64k once
 #   bash benchmarks/h200_issue14.sh gil18      # who holds the interpreter lock in a 16k run (py-spy; carry .whl-pyspy)
 #   bash benchmarks/h200_issue14.sh thread18   # the decoder's warm-up on the encode thread against its own thread, 16k
+#   bash benchmarks/h200_issue14.sh slots19    # JPEG bytes in the workers' shared slots against paths read again: GPU
+#                                             # tests, device_batch on slot views, 16k alternating (3 + 3), 64k each
+#   bash benchmarks/h200_issue14.sh hybrids19  # Nemotron-Nano-4B packed / baseline / stock in one process; then dense
+#                                             # 4B and Qwen3.5-4B packed and stock (carry .whl .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -792,6 +796,36 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
       -k "gpu or device" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
     compare_codes thread18 230 290 "new a" "c18 a" "new b" "c18 b" "new c" "c18 c"
+    ;;
+  slots19)  # round 19: each JPEG's bytes put into its chunk's shared slot by the decode worker that read them (the main
+    # process reads no file) against the paths the main process reads again (--no-slots: the same code with the
+    # ring off); the GPU tests and device_batch on slot views against paths first; 16k alternating, 64k each once
+    install_datasets
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_decode.py tests/test_prepare_fast.py \
+      tests/test_shared_slots.py -k "gpu or device or slot" 2>&1 | tee "$OUT/gpu_tests.log" \
+      | grep -E "passed|failed|Error" | cut -c1-400
+    timeout 150 python3 benchmarks/device_inputs_check.py --images 2048 --out "$OUT" 2>&1 \
+      | grep -E "pixels|images_per_s|Error" | cut -c1-1500
+    compare_codes slots19 330 400 "new slots_a" "new paths_a --no-slots" "new slots_b" "new paths_b --no-slots" \
+      "new slots_c" "new paths_c --no-slots"
+    for run in "slots" "paths --no-slots"; do
+      set -- $run
+      [ $SECONDS -lt 470 ] && timeout $((540 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
+        --decode device --skip-encode "${@:2}" --name "prepare_stitch_slots19_65536_$1" --out "$OUT" 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-120
+    done
+    ;;
+  hybrids19)  # Nemotron-Nano-4B's packed, padded baseline and stock in ONE process on the current code (last measured
+    # in round 9, before round 10's liger head chunks); then, with time left, Qwen3.5-4B and dense 4B packed and
+    # stock in one process; carry .whl .whl-liger .whl-pydantic
+    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes nemotron4b --steps 12 --warmup 3 \
+      --skip-parity --modes packed,baseline,stock --tag _round19 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|(packed|baseline|stock): " | cut -c1-250
+    [ $SECONDS -lt 400 ] && timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b \
+      --steps 12 --warmup 4 --skip-parity --modes packed,stock --tag _round19 --out "$OUT" 2>&1 \
+      | tee "$OUT/sft_qwen.log" | grep -E "stock =|dense /|(packed|stock): " | cut -c1-250
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets

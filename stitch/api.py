@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stitch.config.recipe import shipped_recipes
+from stitch.data.shared_slots import SlotBytes
 from stitch.model.automodel import automodel_backend
 from stitch.model.precision import shared_input_projections
 from stitch.model.snapshots import shrink_layer_pattern, write_random_weights
@@ -63,6 +64,7 @@ __all__ = [
     "automodel_backend",
     "feature_payload_spec",
     "shipped_recipes",
+    "SlotBytes",
     # tiny presets (random-init snapshots built locally) and the demo base's pre-training
     "chatml_template",
     "padded_vocab_size",

@@ -278,21 +278,34 @@ def jpeg_recipe(root, workers: int, decode: str = "device"):
 
 def test_prepare_through_the_device_path_encodes_what_device_batch_makes_with_or_without_workers(
         tmp_path, host, monkeypatch):
-    """``decode: device`` with the device variant allowed on the CPU (its decode by PIL): JPEG bytes cross from
-    the workers unstacked, the encoder gets ``device_batch``'s pixels, the shards are keyed by its identity, and 0
-    or 2 workers write the same bytes. ``decode: cpu`` in the same setting keeps the workers' geometry: other
-    shards."""
+    """``decode: device`` with the device variant allowed on the CPU (its decode by PIL): JPEGs cross from the
+    workers unstacked, their bytes in the chunk's shared slot (the main process reads no file again) or, without
+    a slot, as their paths; the encoder gets ``device_batch``'s pixels, the shards are keyed by its identity, and
+    0 or 2 workers, with a slot or without, write the same bytes. ``decode: cpu`` in the same setting keeps the
+    workers' geometry: other shards."""
+    import stitch.data.prepare as prep
     from stitch.data.feature_cache import PreparedData
 
     monkeypatch.setattr(ClipGeometry, "on_device", lambda self, device: device_geometry(monkeypatch))
+    arrived: list[str] = []  # what each JPEG item's data is when device_batch gets it
+    batch = ClipDeviceGeometry.device_batch
+
+    def recording(self, items, device):
+        arrived.extend(type(item.data).__name__ for item in items if isinstance(item, JpegItem))
+        return batch(self, items, device)
+
+    monkeypatch.setattr(ClipDeviceGeometry, "device_batch", recording)
     jpeg_rows(tmp_path, 10)
-    outs = []
-    for workers in (0, 2):
-        out = tmp_path / f"out{workers}"
+    outs, media_slots = [], prep.media_slots
+    for workers, slots, chunks, data in ((0, True, 0, "str"), (2, True, 1, "ndarray"), (2, False, 0, "str")):
+        out = tmp_path / f"out{workers}-{slots}"
+        monkeypatch.setattr(prep, "media_slots", media_slots if slots else lambda *args: None)
+        arrived.clear()
         report = prepare(jpeg_recipe(tmp_path, workers), out, host=host, progress=False)
-        assert report.rows == {"train": 10} and report.media_chunks == {"shared_slot": 0, "own_segment": 0}
+        assert report.rows == {"train": 10} and report.media_chunks == {"shared_slot": chunks, "own_segment": 0}
+        assert arrived == [data] * 10, (workers, slots, arrived)
         outs.append(out)
-    assert dir_snapshot(outs[0]) == dir_snapshot(outs[1])
+    assert dir_snapshot(outs[0]) == dir_snapshot(outs[1]) == dir_snapshot(outs[2])
 
     spec = host.get("encoders", "clip-tiny")
     encoder = spec.load(spec.source, "cpu", torch.float32)

@@ -9,7 +9,7 @@ import multiprocessing
 import pytest
 import torch
 
-from stitch.data.shared_slots import SharedSlots
+from stitch.data.shared_slots import SharedSlots, SlotBytes
 
 fork = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="slots reach workers by fork")
 
@@ -57,3 +57,41 @@ def test_a_stack_of_mixed_shapes_or_larger_than_a_slot_does_not_fit():
     assert not ring.fits([item, item, item])
     assert not ring.fits([item, torch.zeros((3, 4, 5), dtype=torch.uint8)])
     assert not ring.fits([item, item.float()])
+
+
+def _put(ring: SharedSlots, index: int, payloads: list, queue) -> None:
+    writer = ring.writer(index)
+    queue.put(([writer.put(p) for p in payloads], writer.ref()))
+
+
+@fork
+def test_files_and_bytes_a_forked_worker_puts_into_a_slot_are_read_back_in_place_and_what_does_not_fit_is_refused(
+        tmp_path):
+    """Payloads of any size one after another in one slot, a file's read straight into it: the parent reads each
+    at its ``SlotBytes``; one larger than the room left, and a file that is gone, come back as None (they travel
+    their own way)."""
+    first = bytes(range(256)) * 3 + b"end"  # 771 bytes: the next payload starts at the 64-byte boundary after it
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(b"\xff\xd8" + bytes(range(100, 200)) * 5)
+    ring = SharedSlots(count=2, slot_bytes=2048)
+    ring.acquire()
+    slot = ring.acquire()  # the second slot: an offset ignored would read the first, unwritten one
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    payloads = [first, str(path), b"x" * 2048, str(tmp_path / "gone.jpg"), b"tail"]
+    child = ctx.Process(target=_put, args=(ring, slot, payloads, queue))
+    child.start()
+    refs, ref = queue.get(timeout=30)
+    child.join(timeout=30)
+    assert refs[0] == SlotBytes(0, 771) and refs[1] == SlotBytes(832, 502) and refs[2] is None and refs[3] is None
+    assert refs[4] == SlotBytes(1344, 4) and ref.index == slot and ref.shape == (1348,)
+    view = ring.take_bytes(ref)
+    assert [bytes(view[r.offset : r.offset + r.length]) for r in (refs[0], refs[1], refs[4])] == [
+        first, path.read_bytes(), b"tail"]
+    payload = view[refs[1].offset : refs[1].offset + refs[1].length]  # what an item keeps: a view, not a copy
+    del view
+    gc.collect()
+    assert ring.acquire() is None  # the item's view still reads the slot
+    del payload
+    gc.collect()
+    assert ring.acquire() == slot

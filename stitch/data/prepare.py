@@ -48,7 +48,7 @@ from stitch.data.feature_cache import (
     verified_shard_digest,
     write_digest,
 )
-from stitch.data.shared_slots import SharedSlots, SlotRef
+from stitch.data.shared_slots import SharedSlots, SlotBytes, SlotRef
 from stitch.plugins.specs import EncoderSpec
 from stitch.runs.checkpoint import write_text_atomic
 
@@ -645,10 +645,16 @@ class MediaDecoder:
              slot: int | None = None) -> tuple[list[Any], torch.Tensor | SlotRef | None]:
         """Each row's result (None for a row given as None); with ``preprocess``, the rows' tensors are stacked
         into one (one shared-memory transfer per chunk; into ``slots``' slot ``slot`` when given and the stack
-        fits it) and each good row holds its count instead of its items."""
+        fits it) and each good row holds its count instead of its items. A preprocess that does not stack but
+        hands over (``hand_over``) puts its items' payloads into the slot instead (``SlotWriter``)."""
         results = [None if values is None else self.row(values) for values in chunk]
         if self.preprocess is None or not getattr(self.preprocess, "stacks", True):
-            return results, None
+            hand_over = getattr(self.preprocess, "hand_over", None)
+            if hand_over is None or slots is None or slot is None:
+                return results, None
+            writer = slots.writer(slot)
+            return [(r[0], hand_over(r[1], writer.put)) if r is not None and isinstance(r[0], list) else r
+                    for r in results], writer.ref()
         tensors = [t for r in results if r is not None and isinstance(r[0], list) for t in r[1]]
         stacked: torch.Tensor | SlotRef | None = None
         if tensors:
@@ -721,6 +727,16 @@ def _unstack(results: list[Any], stacked: torch.Tensor | None) -> list[Any]:
     return out
 
 
+def _taken_over(results: list[Any], payloads: Any, preprocess: Any) -> list[Any]:
+    """``MediaDecoder.rows``' answer for a chunk whose payloads a worker put into a slot: each row's items with
+    every ``SlotBytes`` they name viewed in ``payloads`` (``preprocess.take_over``)."""
+    def view(ref: SlotBytes) -> Any:
+        return payloads[ref.offset : ref.offset + ref.length]
+
+    return [(r[0], preprocess.take_over(r[1], view)) if r is not None and isinstance(r[0], list) else r
+            for r in results]
+
+
 def fork_available() -> bool:
     import multiprocessing
 
@@ -759,17 +775,21 @@ def chunks_ahead(workers: int, shard_rows: int) -> int:
 
 
 def media_slots(preprocess: Any, workers: int, shard_rows: int) -> SharedSlots | None:
-    """Shared slots for forked workers' chunks when ``preprocess`` declares its item shape, else None. Enough for
-    the chunks in flight, the shard being gathered and the one being encoded (a row's items stay in its chunk's
-    slot until the row's shard is encoded); a chunk that finds none free travels as its own segment."""
+    """Shared slots for forked workers' chunks when ``preprocess`` declares its item shape (a chunk's stack), or
+    the room its ``hand_over`` may fill per item (``slot_bytes_per_item``: a chunk's payloads), else None. Enough
+    for the chunks in flight, the shard being gathered and the one being encoded (a row's items stay in its
+    chunk's slot until the row's shard is encoded); a chunk that finds none free travels as it would without."""
     shape = getattr(preprocess, "item_shape", None)
-    if not workers or shape is None or not fork_available():
+    per_item = getattr(preprocess, "slot_bytes_per_item", None) if hasattr(preprocess, "hand_over") else None
+    if not workers or (shape is None and per_item is None) or not fork_available():
         return None
-    dtype = getattr(preprocess, "item_dtype", torch.uint8)
     count = chunks_ahead(workers, shard_rows) + 2 * shard_chunks(shard_rows) + 2
     try:
-        return SharedSlots.for_items(tuple(shape), dtype, MEDIA_CHUNK_ROWS, count)
-    except OSError:  # the mapping was refused (a strict overcommit limit): every chunk travels as its own segment
+        if shape is None:
+            return SharedSlots(count, MEDIA_CHUNK_ROWS * int(per_item))
+        return SharedSlots.for_items(tuple(shape), getattr(preprocess, "item_dtype", torch.uint8), MEDIA_CHUNK_ROWS,
+                                     count)
+    except OSError:  # the mapping was refused (a strict overcommit limit): every chunk travels as it would without
         return None
 
 
@@ -994,7 +1014,11 @@ class _Preparation:
             results: Iterator[Any] = iter(())
             if answer is not None:
                 counts, media, stacked, (prompt_s, media_s) = answer
-                if isinstance(stacked, SlotRef):
+                if isinstance(stacked, SlotRef) and not getattr(self.preprocess, "stacks", True):
+                    media = _taken_over(media, slots.take_bytes(stacked), self.preprocess)  # type: ignore[union-attr]
+                    stacked = None
+                    self.media_chunks["shared_slot"] += 1
+                elif isinstance(stacked, SlotRef):
                     stacked = slots.take(stacked)  # type: ignore[union-attr]
                     self.media_chunks["shared_slot"] += 1
                 else:

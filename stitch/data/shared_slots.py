@@ -10,12 +10,17 @@ process reads a view of the same pages. Nothing is mapped or unmapped per chunk.
 A slot is free again once every tensor viewing it is gone (a ``weakref.finalize`` on the numpy array the views are
 built on), so the rows' own lifetimes decide, with no bookkeeping in the run. A chunk that finds no free slot, or
 that does not fit one, travels the ``torch.multiprocessing`` way: the ring only ever saves work.
+
+A slot can also carry payloads of any size one after another (``SlotWriter``): prepare's device path puts each
+JPEG a worker checked there (its file read straight into the slot), so the main process neither opens the file
+again nor unpickles its bytes; what does not fit travels as before.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -30,6 +35,14 @@ class SlotRef:
     index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class SlotBytes:
+    """Where a ``SlotWriter`` put one payload in its slot: ``length`` bytes from ``offset``."""
+
+    offset: int
+    length: int
 
 
 class SharedSlots:
@@ -65,7 +78,18 @@ class SharedSlots:
         weakref.finalize(array, self._free.append, ref.index)
         return torch.from_numpy(array).view(ref.dtype).view(ref.shape)
 
+    def take_bytes(self, ref: SlotRef) -> np.ndarray:
+        """The ``ref.shape[0]`` bytes a ``SlotWriter`` filled, viewed in place as a uint8 array (slice it by each
+        ``SlotBytes``); the slot is free again once this array and every view of it are gone."""
+        array = np.frombuffer(self.buffer, dtype=np.uint8, count=ref.shape[0], offset=ref.index * self.slot_bytes)
+        weakref.finalize(array, self._free.append, ref.index)
+        return array
+
     # -- a worker -----------------------------------------------------------------------------------
+    def writer(self, index: int) -> SlotWriter:
+        """Payloads of any size put one after another into slot ``index``."""
+        return SlotWriter(self, index)
+
     def fits(self, tensors: list[torch.Tensor]) -> bool:
         """Whether ``tensors`` stacked fill at most one slot (same shape and dtype, bytes within a slot)."""
         first = tensors[0]
@@ -80,3 +104,44 @@ class SharedSlots:
         flat = torch.frombuffer(self.buffer, dtype=torch.uint8, count=nbytes, offset=index * self.slot_bytes)
         torch.stack(tensors, out=flat.view(first.dtype).view(shape))
         return SlotRef(index, tuple(shape), first.dtype)
+
+
+class SlotWriter:
+    """A worker's payloads (bytes, or a file's whole content) put one after another into one slot, each at a
+    64-byte boundary; ``ref`` is what the worker returns for the slot, None when nothing was put."""
+
+    ALIGN = 64
+
+    def __init__(self, ring: SharedSlots, index: int) -> None:
+        self.ring, self.index, self.used = ring, index, 0
+
+    def put(self, payload: bytes | bytearray | memoryview | str | os.PathLike) -> SlotBytes | None:
+        """``payload`` (a file's path: its bytes, read straight into the slot) where it fits; None where it does not,
+        or where the file cannot be read whole (the caller sends it its own way, which reports what is wrong)."""
+        start = -(-self.used // self.ALIGN) * self.ALIGN
+        room = self.ring.slot_bytes - start
+        base = self.index * self.ring.slot_bytes + start
+        if isinstance(payload, str | os.PathLike):
+            try:
+                with open(payload, "rb", buffering=0) as fh:
+                    length = os.fstat(fh.fileno()).st_size
+                    if length > room:
+                        return None
+                    got = 0
+                    with memoryview(self.ring.buffer) as whole, whole[base : base + length] as view:
+                        while got < length and (n := fh.readinto(view[got:])):
+                            got += n
+            except OSError:
+                return None
+            if got != length:  # it shrank since its size was read
+                return None
+        else:
+            length = len(payload)
+            if length > room:
+                return None
+            self.ring.buffer[base : base + length] = payload
+        self.used = start + length
+        return SlotBytes(start, length)
+
+    def ref(self) -> SlotRef | None:
+        return SlotRef(self.index, (self.used,), torch.uint8) if self.used else None

@@ -92,7 +92,11 @@ class EncoderSpec:
     which may leave part of the work to the device: its worker call returns items of any kind (``stacks = False``:
     each travels as it is) and its ``device_batch(items, device)`` turns a batch of them into the encoder's input
     there (CLIP's decodes JPEGs with nvjpeg); its optional ``warm_up(device)`` runs in a thread of prepare's own,
-    beside the encoder's loader thread. The loaded encoder may offer
+    beside the encoder's loader thread. Such a variant may also declare ``slot_bytes_per_item`` and offer
+    ``hand_over(items, put)`` (in a forked worker: ``put(bytes or path) -> SlotBytes | None`` puts a payload, a
+    file's whole content, into the chunk's shared slot) and ``take_over(items, view)`` (in the main process:
+    ``view(SlotBytes)`` is those bytes there), so what the workers read reaches the main process without a pipe
+    or a second read. The loaded encoder may offer
     ``compile(batch_size)`` (``data.prepare.compile``) and ``warm_up(batch_size)`` (prepare's loader thread runs
     it after ``load``, while the first shard decodes, so the first encode does not pay for device set-up).
     """
