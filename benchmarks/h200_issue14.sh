@@ -98,8 +98,12 @@
 #   bash benchmarks/h200_issue14.sh thread18   # the decoder's warm-up on the encode thread against its own thread, 16k
 #   bash benchmarks/h200_issue14.sh slots19    # JPEG bytes in the workers' shared slots against paths read again: GPU
 #                                             # tests, device_batch on slot views, 16k alternating (3 + 3), 64k each
+#   bash benchmarks/h200_issue14.sh slots19b   # slots19's 16k pairs again, paths first in each pair
 #   bash benchmarks/h200_issue14.sh hybrids19  # Nemotron-Nano-4B packed / baseline / stock in one process; then dense
 #                                             # 4B and Qwen3.5-4B packed and stock (carry .whl .whl-liger .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh hybrids19b # dense 4B and Qwen3.5-4B packed and stock in one process (same carry)
+#   bash benchmarks/h200_issue14.sh dense19    # dense 4B packed, baseline, llava, stock in one process (carry .whl-liger
+#                                             # .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -815,6 +819,11 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
         | grep -E "^prepare|Error" | cut -c1-120
     done
     ;;
+  slots19b)  # slots19's 16k pairs again on the same (warm) machine, each pair in the other order (paths first)
+    install_datasets
+    compare_codes slots19b 200 250 "new paths_d --no-slots" "new slots_d" "new paths_e --no-slots" "new slots_e" \
+      "new paths_f --no-slots" "new slots_f"
+    ;;
   hybrids19)  # Nemotron-Nano-4B's packed, padded baseline and stock in ONE process on the current code (last measured
     # in round 9, before round 10's liger head chunks); then, with time left, Qwen3.5-4B and dense 4B packed and
     # stock in one process; carry .whl .whl-liger .whl-pydantic
@@ -826,6 +835,21 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     [ $SECONDS -lt 400 ] && timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b \
       --steps 12 --warmup 4 --skip-parity --modes packed,stock --tag _round19 --out "$OUT" 2>&1 \
       | tee "$OUT/sft_qwen.log" | grep -E "stock =|dense /|(packed|stock): " | cut -c1-250
+    ;;
+  hybrids19b)  # hybrids19's second part on its own (its Nemotron run left no time): dense 4B and Qwen3.5-4B packed and
+    # stock in ONE process, 5 warm-up steps (fla autotunes Qwen3.5's kernels in its first)
+    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 16 --warmup 5 \
+      --skip-parity --modes packed,stock --tag _round19 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|dense /|(packed|stock): " | cut -c1-250
+    ;;
+  dense19)  # dense 4B's four modes (packed, baseline, llava, stock) in ONE process on the current code, last measured
+    # in round 8 (every dense target met there)
+    export PYTHONPATH=/tmp/site:.
+    timeout 260 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 12 --warmup 4 \
+      --modes packed,baseline,llava,stock --tag _round19_four --out "$OUT" 2>&1 | tee "$OUT/sft_dense.log" \
+      | grep -E "stock =|(packed|baseline|llava|stock): " | cut -c1-250
     ;;
   loader15)  # where the encoder loader's ~2.8 s go (it holds back prepare's first shard): each step alone, twice
     install_datasets

@@ -340,7 +340,7 @@ class ClipDeviceGeometry:
     def hand_over(self, items: list[Any], put: Callable[[Any], SlotBytes | None]) -> list[Any]:
         """In a worker, a row's items as they travel: each JPEG's bytes (a file's read straight into the slot)
         ``put`` into the chunk's shared slot where they fit, so the main process reads them there instead of
-        opening the file again (~54 us an image on the H200's host, on the decode thread) or unpickling them."""
+        opening the file again (41-54 us an image on the H200's hosts, on the decode thread) or unpickling them."""
         out = []
         for item in items:
             if isinstance(item, JpegItem) and isinstance(item.data, str | bytes | bytearray):
