@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from stitch.runs.checkpoint import write_text_atomic
+from stitch.runs.atomic import write_text_atomic
 
 
 def test_a_failed_write_keeps_the_previous_text_and_leaves_no_temp_file(tmp_path, monkeypatch):

@@ -46,7 +46,7 @@ def infer(
     """Answer questions about inputs: the model loads once; per input the encoder runs once, then projector and engine."""
     from tqdm.auto import tqdm
 
-    from stitch.runs.checkpoint import write_text_atomic
+    from stitch.runs.atomic import write_text_atomic
     from stitch.serve.inference import Stitched
 
     if input_rows is None:

@@ -50,7 +50,7 @@ from stitch.data.feature_cache import (
 )
 from stitch.data.shared_slots import SharedSlots, SlotBytes, SlotRef
 from stitch.plugins.specs import EncoderSpec
-from stitch.runs.checkpoint import write_text_atomic
+from stitch.runs.atomic import write_text_atomic
 
 REPORT_NAME = "prepare-report.json"
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

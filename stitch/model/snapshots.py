@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stitch.runs.atomic import write_text_atomic
+
 
 def cache_root() -> Path:
     """``$STITCH_CACHE`` or ``~/.cache/stitch``."""
@@ -292,9 +294,7 @@ def _is_persistent_buffer(model: Any, key: str) -> bool:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def shrink_layer_pattern(pattern: list[str], layers: int) -> list[str]:

@@ -3,12 +3,10 @@ intra-op thread count), and ``checkpoints/LATEST`` naming the newest complete on
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
 import random
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,32 +15,9 @@ from typing import Any
 import torch
 
 from stitch.data.feature_cache import file_sha256
+from stitch.runs.atomic import write_text_atomic
 
 log = logging.getLogger("stitch")
-
-
-_TEMP_SUFFIX = re.compile(r"[a-z0-9_]{8}")  # what tempfile.mkstemp adds after the prefix
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a temp file beside it (``.<name>.XXXXXXXX``), fsynced, then renamed. A temp
-    file a failed write made is removed; one a killed writer left is swept here, at the next write of the same
-    path (one writer per run directory: ``RunLock``). Nothing but those temp names is touched."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{path.name}."
-    for stale in path.parent.glob(glob.escape(prefix) + "*"):
-        if _TEMP_SUFFIX.fullmatch(stale.name[len(prefix):]):
-            stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def random_to_json(rng: random.Random) -> list[Any]:

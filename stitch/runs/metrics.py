@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from stitch.runs.checkpoint import write_text_atomic
+from stitch.runs.atomic import write_text_atomic
 
 
 class MetricsLog:

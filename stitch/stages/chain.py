@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stitch.config.recipe import Recipe
-from stitch.runs.checkpoint import write_text_atomic
+from stitch.runs.atomic import write_text_atomic
 
 DEFAULT_STAGES = ("alignment", "sft", "grpo")
 # the checkpoint the chain serves: GRPO's when it ran (it refines SFT), else DPO's, else SFT's
