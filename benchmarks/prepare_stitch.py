@@ -280,8 +280,9 @@ class ThreadCpu:
 
 
 @contextlib.contextmanager
-def timed_calls(cls: type, name: str, spans: list[tuple[float, float]]):
-    """``cls.name`` (if it exists) appending each call's (start, end) to ``spans`` while the block runs."""
+def timed_calls(cls: Any, name: str, spans: list[tuple[float, float]]):
+    """``cls.name`` (if it exists; a class's method or a module's function) appending each call's (start, end) to
+    ``spans`` while the block runs."""
     method = getattr(cls, name, None)
     if method is None:
         yield
@@ -371,11 +372,13 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
     # ended; the code before the encode thread has no encode_shard
     shards: list[tuple[float, float]] = []
     batches: list[tuple[float, float]] = []
+    writes: list[tuple[float, float]] = []  # each shard file's write + sha256 on the writer thread (round 19)
     sampler = ThreadCpu() if getattr(args, "thread_cpu", False) else contextlib.nullcontext()
     pauses = GcPauses()
     t0, cpu0 = time.perf_counter(), time.process_time()
     with sampler, pauses, timed_calls(prepare_module._Preparation, "encode_shard", shards), \
-            timed_calls(clip_encoder.ClipDeviceGeometry, "device_batch", batches):
+            timed_calls(clip_encoder.ClipDeviceGeometry, "device_batch", batches), \
+            timed_calls(prepare_module, "write_shard", writes):
         report = prepare(recipe, out, host=host, device=device, progress=False)
     total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if profile is not None:
@@ -393,6 +396,8 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         "encode_seconds": getattr(report, "encode_seconds", None),
         "shard_encodes_s": [[round(a - t0, 3), round(b - t0, 3)] for a, b in shards],
         "device_batches_s": [[round(a - t0, 3), round(b - t0, 3)] for a, b in batches],
+        "shard_writes_s": [[round(a - t0, 3), round(b - t0, 3)] for a, b in writes],
+        "writer_busy_s": round(sum(b - a for a, b in writes), 3),
         "gc": pauses.summary(t0),
         "main_cpu_s": round(cpu, 2), "media_chunks": getattr(report, "media_chunks", None),
         "thread_cpu_s": sampler.by_name() if isinstance(sampler, ThreadCpu) else None,
