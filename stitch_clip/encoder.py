@@ -426,7 +426,8 @@ class ClipDeviceGeometry:
         except RuntimeError:
             if len(at) > 1:
                 return torch.cat([self.finish(items, [i], device) for i in at])
-            return self.cpu(items[at[0]].data)[None].to(device)
+            data = items[at[0]].read()  # a view of a worker's slot is not bytes to PIL: copied into some
+            return self.cpu(data if isinstance(data, bytes | bytearray) else bytes(data))[None].to(device)
 
     def check_decoder(self, device: torch.device) -> list[torch.Tensor]:
         """Decode one small JPEG on ``device`` once: a torchvision without a working nvjpeg fails here, with what

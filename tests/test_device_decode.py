@@ -193,10 +193,27 @@ def test_jpegs_are_resized_in_size_ordered_chunks_within_the_pixel_budget(monkey
     assert areas == sorted(areas)  # similar sizes together: little padding
 
 
+@pytest.mark.parametrize("held", ["bytes", "path", "slot"])
 def test_a_jpeg_nvjpeg_refuses_goes_through_the_cpu_geometry_and_the_rest_of_its_chunk_stays_on_the_device(
-        monkeypatch):
+        monkeypatch, tmp_path, held):
+    """Whether a JPEG's bytes came with its row, stay in its file, or arrived in a decode worker's shared slot
+    (a view of the ring: ``hand_over`` then ``take_over``)."""
+    from stitch.data.shared_slots import SharedSlots
+
     geometry = device_geometry(monkeypatch)
     raws = [photo_bytes(w, h, "JPEG", seed=i) for i, (w, h) in enumerate(SIZES[:3])]
+    items = [geometry(raw) for raw in raws]
+    if held == "path":
+        for i, raw in enumerate(raws):
+            (tmp_path / f"{i}.jpg").write_bytes(raw)
+        items = [geometry(str(tmp_path / f"{i}.jpg")) for i in range(len(raws))]
+    elif held == "slot":
+        ring = SharedSlots(1, 1 << 20)
+        writer = ring.writer(ring.acquire())
+        sent = geometry.hand_over(items, writer.put)
+        payloads = ring.take_bytes(writer.ref())
+        items = geometry.take_over(sent, lambda at: payloads[at.offset : at.offset + at.length])
+        assert all(isinstance(item.data, np.ndarray) for item in items)
 
     def refuse_the_second(datas, device):
         if any(bytes(d) == raws[1] for d in datas):
@@ -204,7 +221,7 @@ def test_a_jpeg_nvjpeg_refuses_goes_through_the_cpu_geometry_and_the_rest_of_its
         return pil_decode(datas, device)
 
     monkeypatch.setattr(geometry, "decode_jpegs", refuse_the_second)
-    batch = geometry.device_batch([geometry(raw) for raw in raws], "cpu")
+    batch = geometry.device_batch(items, "cpu")
     assert torch.equal(batch[1], GEOMETRY(raws[1]))
     for i in (0, 2):
         assert torch.equal(batch[i], geometry.resize_crop(pil_decode([raws[i]], "cpu"), torch.device("cpu"))[0])
