@@ -426,7 +426,7 @@ class ClipDeviceGeometry:
         except RuntimeError:
             if len(at) > 1:
                 return torch.cat([self.finish(items, [i], device) for i in at])
-            data = items[at[0]].read()  # a view of a worker's slot is not bytes to PIL: copied into some
+            data = items[at[0]].read()  # PIL takes bytes or a path, not a view of a worker's slot: a copy
             return self.cpu(data if isinstance(data, bytes | bytearray) else bytes(data))[None].to(device)
 
     def check_decoder(self, device: torch.device) -> list[torch.Tensor]:

@@ -780,7 +780,8 @@ def media_slots(preprocess: Any, workers: int, shard_rows: int) -> SharedSlots |
     for the chunks in flight, the shard being gathered and the one being encoded (a row's items stay in its
     chunk's slot until the row's shard is encoded); a chunk that finds none free travels as it would without."""
     shape = getattr(preprocess, "item_shape", None)
-    per_item = getattr(preprocess, "slot_bytes_per_item", None) if hasattr(preprocess, "hand_over") else None
+    hands_over = hasattr(preprocess, "hand_over") and hasattr(preprocess, "take_over")
+    per_item = getattr(preprocess, "slot_bytes_per_item", None) if hands_over else None
     if not workers or (shape is None and per_item is None) or not fork_available():
         return None
     count = chunks_ahead(workers, shard_rows) + 2 * shard_chunks(shard_rows) + 2
