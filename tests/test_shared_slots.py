@@ -95,3 +95,30 @@ def test_files_and_bytes_a_forked_worker_puts_into_a_slot_are_read_back_in_place
     del payload
     gc.collect()
     assert ring.acquire() == slot
+
+
+def test_a_preprocess_gets_byte_slots_only_when_it_offers_both_halves_of_the_hand_over():
+    """``media_slots`` maps a byte ring for a preprocess that declares ``slot_bytes_per_item`` and offers
+    ``hand_over`` and ``take_over``; with either half missing its items travel as they would without (a payload
+    put into a slot that the main process cannot turn back into items would stop the run)."""
+    from stitch.data.prepare import MEDIA_CHUNK_ROWS, fork_available, media_slots
+
+    class Both:
+        stacks = False
+        slot_bytes_per_item = 1024
+
+        def hand_over(self, items, put):
+            return items
+
+        def take_over(self, items, view):
+            return items
+
+    class SendsOnly:
+        stacks = False
+        slot_bytes_per_item = 1024
+        hand_over = Both.hand_over
+    ring = media_slots(Both(), workers=2, shard_rows=64)
+    if fork_available():
+        assert ring is not None and ring.slot_bytes == MEDIA_CHUNK_ROWS * 1024
+    assert media_slots(SendsOnly(), workers=2, shard_rows=64) is None
+    assert media_slots(Both(), workers=0, shard_rows=64) is None
