@@ -269,9 +269,9 @@ def main() -> None:
 
     ring = SharedSlots(1, sum(os.path.getsize(i.data) + 64 for i in items))
     writer = ring.writer(ring.acquire())
-    at = [writer.put(i.data) for i in items]
-    slot = ring.take_bytes(writer.ref())
-    in_slot = [i._replace(data=slot[a.offset : a.offset + a.length]) for i, a in zip(items, at, strict=True)]
+    sent = shipped.hand_over(items, writer.put)
+    payloads = ring.take_bytes(writer.ref())
+    in_slot = shipped.take_over(sent, lambda at: payloads[at.offset : at.offset + at.length])
     variants["in_slot"] = shipped
     if device.type != "cuda":
         for geometry in variants.values():

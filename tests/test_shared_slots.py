@@ -117,6 +117,7 @@ def test_a_preprocess_gets_byte_slots_only_when_it_offers_both_halves_of_the_han
         stacks = False
         slot_bytes_per_item = 1024
         hand_over = Both.hand_over
+
     ring = media_slots(Both(), workers=2, shard_rows=64)
     if fork_available():
         assert ring is not None and ring.slot_bytes == MEDIA_CHUNK_ROWS * 1024

@@ -653,8 +653,7 @@ class MediaDecoder:
             if hand_over is None or slots is None or slot is None:
                 return results, None
             writer = slots.writer(slot)
-            return [(r[0], hand_over(r[1], writer.put)) if r is not None and isinstance(r[0], list) else r
-                    for r in results], writer.ref()
+            return _with_items(results, lambda items: hand_over(items, writer.put)), writer.ref()
         tensors = [t for r in results if r is not None and isinstance(r[0], list) for t in r[1]]
         stacked: torch.Tensor | SlotRef | None = None
         if tensors:
@@ -727,14 +726,19 @@ def _unstack(results: list[Any], stacked: torch.Tensor | None) -> list[Any]:
     return out
 
 
+def _with_items(results: list[Any], change: Callable[[list[Any]], list[Any]]) -> list[Any]:
+    """``MediaDecoder.rows``' per-row answers with each good row's items ``change``d (a worker's ``hand_over``, the
+    main process's ``take_over``); rows given as None and bad rows' ``(kind, reason)`` as they are."""
+    return [(r[0], change(r[1])) if r is not None and isinstance(r[0], list) else r for r in results]
+
+
 def _taken_over(results: list[Any], payloads: Any, preprocess: Any) -> list[Any]:
     """``MediaDecoder.rows``' answer for a chunk whose payloads a worker put into a slot: each row's items with
     every ``SlotBytes`` they name viewed in ``payloads`` (``preprocess.take_over``)."""
     def view(ref: SlotBytes) -> Any:
         return payloads[ref.offset : ref.offset + ref.length]
 
-    return [(r[0], preprocess.take_over(r[1], view)) if r is not None and isinstance(r[0], list) else r
-            for r in results]
+    return _with_items(results, lambda items: preprocess.take_over(items, view))
 
 
 def fork_available() -> bool:
@@ -1015,13 +1019,13 @@ class _Preparation:
             results: Iterator[Any] = iter(())
             if answer is not None:
                 counts, media, stacked, (prompt_s, media_s) = answer
-                if isinstance(stacked, SlotRef) and not getattr(self.preprocess, "stacks", True):
-                    media = _taken_over(media, slots.take_bytes(stacked), self.preprocess)  # type: ignore[union-attr]
-                    stacked = None
+                if isinstance(stacked, SlotRef):
                     self.media_chunks["shared_slot"] += 1
-                elif isinstance(stacked, SlotRef):
-                    stacked = slots.take(stacked)  # type: ignore[union-attr]
-                    self.media_chunks["shared_slot"] += 1
+                    if getattr(self.preprocess, "stacks", True):
+                        stacked = slots.take(stacked)  # type: ignore[union-attr]
+                    else:  # the items' payloads, not a stack (hand_over)
+                        media = _taken_over(media, slots.take_bytes(stacked), self.preprocess)  # type: ignore[union-attr]
+                        stacked = None
                 else:
                     if slot is not None:  # nothing was written into it
                         slots.release(slot)  # type: ignore[union-attr]

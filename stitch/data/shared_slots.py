@@ -74,15 +74,17 @@ class SharedSlots:
         """The tensor a worker wrote into ``ref.index``, viewed in place; the slot is free again once this tensor
         and every view of it are gone."""
         nbytes = math.prod(ref.shape) * torch.empty((), dtype=ref.dtype).element_size()
-        array = np.frombuffer(self.buffer, dtype=np.uint8, count=nbytes, offset=ref.index * self.slot_bytes)
-        weakref.finalize(array, self._free.append, ref.index)
-        return torch.from_numpy(array).view(ref.dtype).view(ref.shape)
+        return torch.from_numpy(self._claimed(ref.index, nbytes)).view(ref.dtype).view(ref.shape)
 
     def take_bytes(self, ref: SlotRef) -> np.ndarray:
         """The ``ref.shape[0]`` bytes a ``SlotWriter`` filled, viewed in place as a uint8 array (slice it by each
         ``SlotBytes``); the slot is free again once this array and every view of it are gone."""
-        array = np.frombuffer(self.buffer, dtype=np.uint8, count=ref.shape[0], offset=ref.index * self.slot_bytes)
-        weakref.finalize(array, self._free.append, ref.index)
+        return self._claimed(ref.index, ref.shape[0])
+
+    def _claimed(self, index: int, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of slot ``index`` as a uint8 array whose end (and its views') frees the slot."""
+        array = np.frombuffer(self.buffer, dtype=np.uint8, count=nbytes, offset=index * self.slot_bytes)
+        weakref.finalize(array, self._free.append, index)
         return array
 
     # -- a worker -----------------------------------------------------------------------------------
