@@ -104,6 +104,11 @@
 #   bash benchmarks/h200_issue14.sh hybrids19b # dense 4B and Qwen3.5-4B packed and stock in one process (same carry)
 #   bash benchmarks/h200_issue14.sh dense19    # dense 4B packed, baseline, llava, stock in one process (carry .whl-liger
 #                                             # .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh writer20   # shard files hashed from memory as written, two writer threads, against
+#                                             # round 19's writer (carry .whl-demo .whl-pydantic .bench-old)
+#   bash benchmarks/h200_issue14.sh hybrids20  # Qwen3.5-4B and dense 4B, packed and padded baseline, in one process
+#   bash benchmarks/h200_issue14.sh hybrids20b # Nemotron-Nano-4B and dense 4B packed in one process (carry .whl
+#                                             # .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -818,6 +823,34 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
         --decode device --skip-encode "${@:2}" --name "prepare_stitch_slots19_65536_$1" --out "$OUT" 2>&1 \
         | grep -E "^prepare|Error" | cut -c1-120
     done
+    ;;
+  writer20)  # round 20: each shard file written straight from the features' memory and hashed from it on a second
+    # thread, two writer threads (new), against round 19's writer: safetensors' save_file then the file read back for
+    # its sha256, on one thread (old); and the new write on one thread (w1); 16k alternating, then 64k each once
+    install_datasets
+    compare_codes writer20 330 400 "new new_a" "new old_a --shard-writers 1 --save-file-writer" \
+      "new w1_a --shard-writers 1" "new old_b --shard-writers 1 --save-file-writer" "new new_b" "new w1_b --shard-writers 1"
+    for run in "new" "old --shard-writers 1 --save-file-writer"; do
+      set -- $run
+      [ $SECONDS -lt 470 ] && timeout $((550 - SECONDS)) python3 benchmarks/prepare_stitch.py --images 65536 \
+        --decode device --skip-encode "${@:2}" --name "prepare_stitch_writer20_65536_$1" --out "$OUT" 2>&1 \
+        | grep -E "^prepare|Error" | cut -c1-120
+    done
+    ;;
+  hybrids20)  # Qwen3.5-4B's padded baseline beside its packed mode (not run since round 9) and dense 4B's two, in ONE
+    # process: the hybrid's ratio to its own baseline and to dense from one run; carry .whl .whl-liger .whl-pydantic
+    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 12 --warmup 4 \
+      --skip-parity --modes packed,baseline --tag _round20 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|dense /|(packed|baseline): " | cut -c1-250
+    ;;
+  hybrids20b)  # Nemotron-Nano-4B packed beside dense 4B packed in ONE process (round 19 had them in two)
+    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
+    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,nemotron4b --steps 12 --warmup 4 \
+      --skip-parity --modes packed --tag _round20b --out "$OUT" 2>&1 | tee "$OUT/sft_nemotron.log" \
+      | grep -E "stock =|dense /|packed: " | cut -c1-250
     ;;
   slots19b)  # slots19's 16k pairs again on the same (warm) machine, each pair in the other order (paths first)
     install_datasets

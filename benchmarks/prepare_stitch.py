@@ -398,6 +398,7 @@ def run_prepare(args, host, root: Path, n: int, device: str) -> dict:
         "device_batches_s": [[round(a - t0, 3), round(b - t0, 3)] for a, b in batches],
         "shard_writes_s": [[round(a - t0, 3), round(b - t0, 3)] for a, b in writes],
         "writer_busy_s": round(sum(b - a for a, b in writes), 3),
+        "shard_writers": prepare_module.SHARD_WRITERS, "shard_writer": prepare_module.write_tensor_file.__name__,
         "gc": pauses.summary(t0),
         "main_cpu_s": round(cpu, 2), "media_chunks": getattr(report, "media_chunks", None),
         "thread_cpu_s": sampler.by_name() if isinstance(sampler, ThreadCpu) else None,
@@ -702,6 +703,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile prepare's main thread (top 25 by own time)")
     ap.add_argument("--no-slots", action="store_true", help="the workers hand each chunk over as a shared-memory "
                     "segment of its own (prepare before its shared slots): the baseline of the slots")
+    ap.add_argument("--shard-writers", type=int, default=None, help="threads writing shard files (default "
+                    "stitch.data.prepare.SHARD_WRITERS; 1 before round 20): the baseline of the overlapped writes")
+    ap.add_argument("--save-file-writer", action="store_true", help="shards written by safetensors' save_file, "
+                    "then read back for their sha256 (before round 20): the baseline of the hashed-in-memory write")
     ap.add_argument("--profile-encode", action="store_true", help="each encode-only variant: one call under "
                     "torch.profiler, device time by kernel")
     ap.add_argument("--prev-encoder", default=None, help="an older stitch_clip/encoder.py, for the _prev variants")
@@ -741,6 +746,22 @@ def main() -> None:
         import stitch.data.prepare as prepare_module
 
         prepare_module.media_slots = lambda *a, **k: None
+    if args.shard_writers is not None:
+        import stitch.data.prepare as prepare_module
+
+        prepare_module.SHARD_WRITERS = args.shard_writers
+    if args.save_file_writer:  # round 19's write_tensor_file: safetensors' own write, then the file read back
+        from safetensors.torch import save_file
+
+        import stitch.data.feature_cache as feature_cache
+
+        def save_file_then_hash(path, name, tensor, metadata):
+            save_file({name: tensor.contiguous()}, str(path), metadata=dict(metadata))
+            return feature_cache.file_sha256(path)
+
+        import stitch.data.prepare as prepare_module
+
+        prepare_module.write_tensor_file = save_file_then_hash
     if args.serial_copy:  # for prepare's run; the encode-only variants set it per encoder
         from stitch_clip.encoder import ClipImageEncoder
 

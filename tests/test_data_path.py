@@ -14,6 +14,7 @@ from stitch.config.recipe import HubSource, LocalSource, RecipeError, load_recip
 from stitch.data.feature_cache import (
     CACHE_DIRNAME,
     MANIFEST_NAME,
+    SHARD_FORMAT,
     FeatureCacheError,
     FeatureKey,
     ManifestRow,
@@ -285,3 +286,34 @@ def test_feature_width_not_matching_the_projector_input_is_refused_naming_rows_e
         check_feature_width(projector, torch.zeros(1, 49, 512), ["row-7"])
     assert "row-7" in str(err.value) and "512" in str(err.value) and "768" in str(err.value)
     check_feature_width(projector, torch.zeros(1, 49, 768), ["row-7"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
+def test_a_shard_file_is_byte_for_byte_what_safetensors_writes_and_its_digest_is_the_files_sha256(tmp_path, dtype):
+    """stitch writes a shard's bytes itself and hashes them from memory (round 20): the file must still be the one
+    safetensors' own writer makes (readers and older caches rely on it), and the digest the file's own sha256.
+    int64 is not a shard dtype: it goes through safetensors' writer and a re-read."""
+    from safetensors.torch import load_file, save_file
+
+    from stitch.data.feature_cache import file_sha256, write_tensor_file
+
+    features = (torch.randn(5, 3, 7) * 100).to(dtype)
+    # metadata as a shard's: JSON text, here with quotes, a backslash, a newline, a tab and non-ASCII text
+    meta = {SHARD_FORMAT: json.dumps({"model": 'a "b" \\ c\n\td', "name": "émoji ☃"}, sort_keys=True,
+                                     ensure_ascii=False)}
+    digest = write_tensor_file(tmp_path / "ours.safetensors", "features", features, meta)
+    save_file({"features": features}, str(tmp_path / "theirs.safetensors"), metadata=meta)
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+    assert digest == file_sha256(tmp_path / "ours.safetensors")
+    assert torch.equal(load_file(str(tmp_path / "ours.safetensors"))["features"], features)
+
+
+def test_a_shard_written_from_a_non_contiguous_tensor_holds_its_values_in_order(tmp_path):
+    from safetensors.torch import load_file
+
+    from stitch.data.feature_cache import file_sha256, write_tensor_file
+
+    features = torch.randn(4, 6, 3).to(torch.bfloat16).transpose(0, 1)  # [6, 4, 3], not contiguous
+    digest = write_tensor_file(tmp_path / "t.safetensors", "features", features, {"k": "v"})
+    assert torch.equal(load_file(str(tmp_path / "t.safetensors"))["features"], features)
+    assert digest == file_sha256(tmp_path / "t.safetensors")

@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
+import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +53,45 @@ def file_sha256(path: Path) -> str:
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
+    return digest.hexdigest()
+
+
+# safetensors' names of the dtypes a shard may hold (``data.feature_dtype``)
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def safetensors_header(name: str, tensor: torch.Tensor, metadata: Mapping[str, str]) -> bytes:
+    """The header ``safetensors.torch.save`` writes before one tensor's bytes: the JSON's length (8 bytes, little
+    endian), then the compact JSON (``__metadata__`` first), padded with spaces to a multiple of 8 bytes."""
+    size = tensor.numel() * tensor.element_size()
+    entry = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [0, size]}
+    body = {"__metadata__": dict(metadata), name: entry} if metadata else {name: entry}
+    text = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_tensor_file(path: Path, name: str, tensor: torch.Tensor, metadata: Mapping[str, str]) -> str:
+    """Write one tensor as a safetensors file at ``path`` (the bytes ``safetensors.torch.save_file`` writes) and
+    return the file's sha256. The tensor's bytes go to the file straight from its memory while a second thread
+    hashes the same memory, so the file is neither copied first nor read back (0.5 s a 154 MB shard before)."""
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype not in _SAFETENSORS_DTYPES or sys.byteorder != "little":  # safetensors' own path, then a re-read
+        from safetensors.torch import save_file
+
+        save_file({name: tensor}, str(path), metadata=dict(metadata))
+        return file_sha256(path)
+    header = safetensors_header(name, tensor, metadata)
+    data = memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
+    digest = hashlib.sha256(header)
+    hasher = threading.Thread(target=digest.update, args=(data,), name="stitch-shard-hash", daemon=True)
+    with open(path, "wb") as fh:
+        fh.write(header)
+        hasher.start()  # hashlib lets go of the interpreter lock on large buffers, as the file write does
+        try:
+            fh.write(data)
+        finally:
+            hasher.join()
     return digest.hexdigest()
 
 
