@@ -855,8 +855,8 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
   profile20)  # why a packed dense 4B step costs ~20 % more per token slot than a padded one (hybrids20: 56.6 against
     # 46.1 us, Qwen3.5 66.6 against 55.3): device time by kernel for both modes, against their wall time
     export PYTHONPATH=/tmp/site:.
-    timeout 300 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 8 --warmup 3 --skip-parity \
-      --modes packed,baseline --profile 3 --profile-modes packed,baseline --tag _round20_profile --out "$OUT" 2>&1 \
+    timeout 150 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 6 --warmup 3 --skip-parity \
+      --modes packed,baseline --profile 2 --profile-modes packed,baseline --tag _round20_profile --out "$OUT" 2>&1 \
       | tee "$OUT/sft_profile.log" | grep -E "(packed|baseline): " | cut -c1-250
     ;;
   slots19b)  # slots19's 16k pairs again on the same (warm) machine, each pair in the other order (paths first)
