@@ -317,3 +317,33 @@ def test_a_shard_written_from_a_non_contiguous_tensor_holds_its_values_in_order(
     digest = write_tensor_file(tmp_path / "t.safetensors", "features", features, {"k": "v"})
     assert torch.equal(load_file(str(tmp_path / "t.safetensors"))["features"], features)
     assert digest == file_sha256(tmp_path / "t.safetensors")
+
+
+def test_a_shard_digest_covers_every_byte_even_when_the_hashing_thread_is_slower_than_the_write(tmp_path, monkeypatch):
+    """The tensor's bytes are hashed on a second thread while they are written: the digest returned must wait for
+    that thread, however long it takes."""
+    import hashlib
+    import threading
+    import time
+
+    import stitch.data.feature_cache as feature_cache
+
+    real_sha256 = hashlib.sha256
+
+    class SlowSha256:
+        def __init__(self, data: bytes = b"") -> None:
+            self.inner = real_sha256(data)
+
+        def update(self, data) -> None:
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(0.3)  # the write finishes long before this
+            self.inner.update(data)
+
+        def hexdigest(self) -> str:
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(feature_cache.hashlib, "sha256", SlowSha256)
+    features = torch.randn(4, 5, 6).to(torch.bfloat16)
+    digest = feature_cache.write_tensor_file(tmp_path / "s.safetensors", "features", features, {"k": "v"})
+    monkeypatch.undo()
+    assert digest == feature_cache.file_sha256(tmp_path / "s.safetensors")
