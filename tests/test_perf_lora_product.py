@@ -25,6 +25,41 @@ def test_lora_product_gradients_match_finite_differences_in_float64():
     assert torch.allclose(precision.LoRAProduct.apply(x, weight, bias, a, b, 1.7), expected)
 
 
+def backward_ops(fn, *inputs) -> list[str]:
+    """The aten ops (by name) that the backward of ``fn(*inputs).sum()`` dispatches: one GPU kernel launch each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            calls.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    out = fn(*inputs).sum()
+    with Record():
+        out.backward()
+    return [c for c in calls if c not in ("empty", "new_empty", "t", "view", "reshape", "_unsafe_view", "detach",
+                                          "transpose", "alias", "expand", "split", "slice", "ones_like")]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_lora_product_backward_scales_inside_its_gemms_and_launches_no_separate_multiply(bias):
+    """The adapter's scaling rides on the GEMMs as their alpha: a backward of 4 GEMMs, the input gradient's
+    accumulation and the two casts to the fp32 weights, and no multiply (each is a kernel launch on a GPU, and a
+    packed 4B step is paced by its launches)."""
+    x = torch.randn(2, 3, 6, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(5, 6, dtype=torch.bfloat16)
+    a = torch.randn(2, 6, requires_grad=True)
+    b = torch.randn(5, 2, requires_grad=True)
+    ops = backward_ops(precision.LoRAProduct.apply, x, weight, torch.randn(5, dtype=torch.bfloat16) if bias else None,
+                       a, b, 1.7)
+    assert not [op for op in ops if op.startswith("mul")], ops
+    # g B s (one GEMM), g W + (g B s) A (a GEMM and an accumulating one), A's and B's gradients (a GEMM each, B's
+    # scaled in it), each cast to its fp32 weight
+    assert sorted(ops) == sorted(["addmm", "mm", "addmm_", "mm", "_to_copy", "addmm", "_to_copy"]), ops
+
+
 def lora_lm(dropout: float = 0.0):
     import transformers
     from peft import LoraConfig, get_peft_model

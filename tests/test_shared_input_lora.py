@@ -143,3 +143,23 @@ def test_on_a_gpu_one_node_matches_four_at_the_4b_gated_deltanet_shape():
     print("relative difference, one node against four:", " ".join(f"{n}={r:.2e}" for n, r in rel.items()))
     assert grads.keys() == ref_grads.keys() and len(grads) == 9
     assert all(r < 1e-2 for r in rel.values()), rel
+
+
+def test_the_shared_node_backward_scales_inside_its_gemms_and_launches_no_separate_multiply():
+    """As ``LoRAProduct``'s: every adapter's scaling is the alpha of a GEMM in the backward, never a multiply of its
+    own (a kernel launch each on a GPU)."""
+    from test_perf_lora_product import backward_ops
+
+    x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)
+    layout = ((1.7, False), (0.5, True), (2.0, True))
+    tensors = []
+    for out, rank in ((300, 4), (5, 4), (4, 4)):
+        tensors += [torch.randn(out, 16, dtype=torch.bfloat16), torch.randn(rank, 16, requires_grad=True),
+                    torch.randn(out, rank, requires_grad=True)]
+
+    def node(x, *tensors):
+        return torch.cat([o.reshape(-1) for o in precision.SharedInputLoRA.apply(x, layout, *tensors)])
+
+    ops = backward_ops(node, x, *tensors)
+    assert not [op for op in ops if op.startswith("mul")], ops
+    assert ops.count("addmm") == 6, ops  # the three g B s and the three B gradients, each scaled as its alpha

@@ -31,6 +31,12 @@ class HalfComputeLinear(nn.Linear):
         return F.linear(x, weight, self.bias if bias is None else bias)
 
 
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling * (a @ b)`` as one GEMM (the scaling is the GEMM's alpha; with beta 0 the uninitialised first
+    argument is never read): one kernel where a product and an in-place multiply are two."""
+    return torch.addmm(a.new_empty(a.shape[0], b.shape[1]), a, b, beta=0, alpha=scaling)
+
+
 class LoRAProduct(torch.autograd.Function):
     """``x W^T + b + s (x A^T) B^T`` with the frozen base weight ``W`` and the adapter's ``A``, ``B`` cast to ``x``'s
     dtype; gradients for ``x``, ``A`` and ``B`` (in their own dtypes), none for the frozen ``W`` and ``b``."""
@@ -50,10 +56,10 @@ class LoRAProduct(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         flat, weight, a, b, low = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
-        g_low = (g @ b).mul_(ctx.scaling)
+        g_low = scaled_mm(g, b, ctx.scaling)
         grad_x = (g @ weight).addmm_(g_low, a).reshape(ctx.shape) if ctx.needs_input_grad[0] else None
         grad_a = (g_low.t() @ flat).to(ctx.dtypes[0]) if ctx.needs_input_grad[3] else None
-        grad_b = (g.t() @ low).mul_(ctx.scaling).to(ctx.dtypes[1]) if ctx.needs_input_grad[4] else None
+        grad_b = scaled_mm(g.t(), low, ctx.scaling).to(ctx.dtypes[1]) if ctx.needs_input_grad[4] else None
         return grad_x, None, None, grad_a, grad_b, None
 
 
@@ -129,7 +135,7 @@ class SharedInputLoRA(torch.autograd.Function):
         ranks = ctx.ranks
         lows = low_all[:, :sum(ranks)].split(ranks, dim=1)
         g = [t.reshape(-1, t.shape[-1]) for t in grads]
-        g_lows = [(gi @ up).mul_(scaling) for gi, up, (scaling, _) in zip(g, b, ctx.layout, strict=True)]
+        g_lows = [scaled_mm(gi, up, scaling) for gi, up, (scaling, _) in zip(g, b, ctx.layout, strict=True)]
         g_narrow = [gi for gi, (_, is_narrow) in zip(g, ctx.layout, strict=True) if is_narrow]
         g_stacked = torch.cat([*g_lows, *g_narrow], dim=1)
         grad_x = None
@@ -146,7 +152,7 @@ class SharedInputLoRA(torch.autograd.Function):
             dtype_a, dtype_b = ctx.dtypes[i]
             want_a, want_b = ctx.needs_input_grad[3 + 3 * i], ctx.needs_input_grad[4 + 3 * i]
             out += [None, grad_a[i].to(dtype_a) if want_a else None,
-                    (gi.t() @ low).mul_(scaling).to(dtype_b) if want_b else None]
+                    scaled_mm(gi.t(), low, scaling).to(dtype_b) if want_b else None]
         return tuple(out)
 
 
