@@ -270,8 +270,7 @@ def main() -> None:
     ring = SharedSlots(1, sum(os.path.getsize(i.data) + 64 for i in items))
     writer = ring.writer(ring.acquire())
     sent = shipped.hand_over(items, writer.put)
-    payloads = ring.take_bytes(writer.ref())
-    in_slot = shipped.take_over(sent, lambda at: payloads[at.offset : at.offset + at.length])
+    in_slot = shipped.take_over(sent, ring.take_payloads(writer.ref()))
     variants["in_slot"] = shipped
     if device.type != "cuda":
         for geometry in variants.values():

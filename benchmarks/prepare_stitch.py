@@ -742,26 +742,16 @@ def main() -> None:
 
         clip_encoder.TORCH_RESAMPLE.clear()  # every filter through resize_uint8's PIL branch
         clip_encoder.ClipGeometry.identity = "clip-uint8-draft/1"
-    if args.no_slots:
-        import stitch.data.prepare as prepare_module
+    import stitch.data.prepare as prepare_module
 
+    if args.no_slots:
         prepare_module.media_slots = lambda *a, **k: None
     if args.shard_writers is not None:
-        import stitch.data.prepare as prepare_module
-
         prepare_module.SHARD_WRITERS = args.shard_writers
-    if args.save_file_writer:  # round 19's write_tensor_file: safetensors' own write, then the file read back
-        from safetensors.torch import save_file
+    if args.save_file_writer:  # round 19's writer: safetensors' own write, then the file read back
+        from stitch.data.feature_cache import save_file_and_hash
 
-        import stitch.data.feature_cache as feature_cache
-
-        def save_file_then_hash(path, name, tensor, metadata):
-            save_file({name: tensor.contiguous()}, str(path), metadata=dict(metadata))
-            return feature_cache.file_sha256(path)
-
-        import stitch.data.prepare as prepare_module
-
-        prepare_module.write_tensor_file = save_file_then_hash
+        prepare_module.write_tensor_file = save_file_and_hash
     if args.serial_copy:  # for prepare's run; the encode-only variants set it per encoder
         from stitch_clip.encoder import ClipImageEncoder
 

@@ -735,12 +735,9 @@ def _with_items(results: list[Any], change: Callable[[list[Any]], list[Any]]) ->
     return [(r[0], change(r[1])) if r is not None and isinstance(r[0], list) else r for r in results]
 
 
-def _taken_over(results: list[Any], payloads: Any, preprocess: Any) -> list[Any]:
+def _taken_over(results: list[Any], view: Callable[[SlotBytes], Any], preprocess: Any) -> list[Any]:
     """``MediaDecoder.rows``' answer for a chunk whose payloads a worker put into a slot: each row's items with
-    every ``SlotBytes`` they name viewed in ``payloads`` (``preprocess.take_over``)."""
-    def view(ref: SlotBytes) -> Any:
-        return payloads[ref.offset : ref.offset + ref.length]
-
+    every ``SlotBytes`` they name viewed in the slot (``preprocess.take_over``; ``view``: ``take_payloads``)."""
     return _with_items(results, lambda items: preprocess.take_over(items, view))
 
 
@@ -1024,7 +1021,7 @@ class _Preparation:
                     if getattr(self.preprocess, "stacks", True):
                         stacked = slots.take(stacked)  # type: ignore[union-attr]
                     else:  # the items' payloads, not a stack (hand_over)
-                        media = _taken_over(media, slots.take_bytes(stacked), self.preprocess)  # type: ignore[union-attr]
+                        media = _taken_over(media, slots.take_payloads(stacked), self.preprocess)  # type: ignore[union-attr]
                         stacked = None
                 else:
                     if slot is not None:  # nothing was written into it

@@ -22,6 +22,7 @@ import math
 import mmap
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +81,12 @@ class SharedSlots:
         """The ``ref.shape[0]`` bytes a ``SlotWriter`` filled, viewed in place as a uint8 array (slice it by each
         ``SlotBytes``); the slot is free again once this array and every view of it are gone."""
         return self._claimed(ref.index, ref.shape[0])
+
+    def take_payloads(self, ref: SlotRef) -> Callable[[SlotBytes], np.ndarray]:
+        """``take_bytes`` as the ``view`` a preprocessing's ``take_over`` calls: each ``SlotBytes`` viewed in place;
+        the slot is free again once this function and every view it gave are gone."""
+        payloads = self.take_bytes(ref)
+        return lambda at: payloads[at.offset : at.offset + at.length]
 
     def _claimed(self, index: int, nbytes: int) -> np.ndarray:
         """The first ``nbytes`` of slot ``index`` as a uint8 array whose end (and its views') frees the slot."""
