@@ -143,6 +143,11 @@ use_code() {
   esac
   cp "$from" stitch/data/prepare.py; cp "$enc" stitch_clip/encoder.py
 }
+# Triton 3.7.1 + fla from the .whl carry (installed once a machine), on the path, autotuning results cached
+use_fla() {
+  [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
+  export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+}
 # the run JSONs in folder $1 as one file, $OUT/$2.json (a call returns at most 8 files)
 merge_json() {
   python3 -c "import glob, json, os, sys; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in \
@@ -489,8 +494,7 @@ PY
     ;;
   round11b)  # round11 again on whatever host this is: whether Qwen3.5's step stays within 1.2x of dense's, with
     # stock transformers beside both; 5 warm-up steps (dense's first timed steps in round11 still recompiled liger)
-    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
-    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    use_fla
     timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 16 --warmup 5 \
       --skip-parity --modes packed,stock --profile 1 --profile-modes packed --tag _round11b --out "$OUT" 2>&1 \
       | tee "$OUT/sft.log" | grep -E "(packed|stock): |dense /" | cut -c1-250
@@ -839,15 +843,13 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     ;;
   hybrids20)  # Qwen3.5-4B's padded baseline beside its packed mode (not run since round 9) and dense 4B's two, in ONE
     # process: the hybrid's ratio to its own baseline and to dense from one run; carry .whl .whl-liger .whl-pydantic
-    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
-    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    use_fla
     timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 12 --warmup 4 \
       --skip-parity --modes packed,baseline --tag _round20 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
       | grep -E "stock =|dense /|(packed|baseline): " | cut -c1-250
     ;;
   hybrids20b)  # Nemotron-Nano-4B packed beside dense 4B packed in ONE process (round 19 had them in two)
-    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
-    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    use_fla
     timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,nemotron4b --steps 12 --warmup 4 \
       --skip-parity --modes packed --tag _round20b --out "$OUT" 2>&1 | tee "$OUT/sft_nemotron.log" \
       | grep -E "stock =|dense /|packed: " | cut -c1-250
@@ -867,8 +869,7 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
   hybrids19)  # Nemotron-Nano-4B's packed, padded baseline and stock in ONE process on the current code (last measured
     # in round 9, before round 10's liger head chunks); then, with time left, Qwen3.5-4B and dense 4B packed and
     # stock in one process; carry .whl .whl-liger .whl-pydantic
-    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
-    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    use_fla
     timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes nemotron4b --steps 12 --warmup 3 \
       --skip-parity --modes packed,baseline,stock --tag _round19 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
       | grep -E "stock =|(packed|baseline|stock): " | cut -c1-250
@@ -878,8 +879,7 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     ;;
   hybrids19b)  # hybrids19's second part on its own (its Nemotron run left no time): dense 4B and Qwen3.5-4B packed and
     # stock in ONE process, 5 warm-up steps (fla autotunes Qwen3.5's kernels in its first)
-    [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
-    export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+    use_fla
     timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 16 --warmup 5 \
       --skip-parity --modes packed,stock --tag _round19 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
       | grep -E "stock =|dense /|(packed|stock): " | cut -c1-250
