@@ -109,6 +109,10 @@
 #   bash benchmarks/h200_issue14.sh hybrids20  # Qwen3.5-4B and dense 4B, packed and padded baseline, in one process
 #   bash benchmarks/h200_issue14.sh hybrids20b # Nemotron-Nano-4B and dense 4B packed in one process (carry .whl
 #                                             # .whl-liger .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh graphs21   # MLP blocks as CUDA graphs: GPU tests + a mutation, dense 4B packed /
+#                                             # packed_eager / baseline in one process (carry .whl-liger .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh graphs21b  # the same three modes for dense 4B and Qwen3.5-4B in one process (carry
+#                                             # .whl .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -853,6 +857,27 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,nemotron4b --steps 12 --warmup 4 \
       --skip-parity --modes packed --tag _round20b --out "$OUT" 2>&1 | tee "$OUT/sft_nemotron.log" \
       | grep -E "stock =|dense /|packed: " | cut -c1-250
+    ;;
+  graphs21)  # stitch.model.graphs: its GPU tests (and a mutation that feeds the graph a stale input), then dense 4B
+    # packed with MLP graphs, packed_eager (no graphs) and the padded baseline in ONE process, packed ones profiled;
+    # carry .whl-liger .whl-pydantic
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -k gpu tests/test_cuda_graphs.py \
+      tests/test_perf_fused_kernels.py tests/test_perf_lora_product.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    cp stitch/model/graphs.py /tmp/graphs.py
+    sed -i 's/graph.static_in.detach().copy_(x)/pass/' stitch/model/graphs.py
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_cuda_graphs.py 2>&1 \
+      | tee "$OUT/gpu_tests_mutated.log" | tail -2
+    cp /tmp/graphs.py stitch/model/graphs.py
+    timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b --steps 12 --warmup 4 \
+      --skip-parity --modes packed,packed_eager,baseline --profile 2 --profile-modes packed --tag _round21 \
+      --out "$OUT" 2>&1 | tee "$OUT/sft.log" | grep -E "(packed|packed_eager|baseline): " | cut -c1-300
+    ;;
+  graphs21b)  # Qwen3.5-4B and dense 4B, packed with MLP graphs, packed_eager and the padded baseline in ONE process;
+    # carry .whl .whl-liger .whl-pydantic
+    use_fla
+    timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 12 --warmup 4 \
+      --skip-parity --modes packed,packed_eager,baseline --tag _round21b --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "dense /|(packed|packed_eager|baseline): " | cut -c1-300
     ;;
   profile20)  # why a packed dense 4B step costs ~20 % more per token slot than a padded one (hybrids20: 56.6 against
     # 46.1 us, Qwen3.5 66.6 against 55.3): device time by kernel for both modes, against their wall time

@@ -38,6 +38,8 @@ uniform random, the last two thirds of the text labelled):
 * ``packed_liger_chunks`` ``packed`` with liger's fused linear cross-entropy at its own chunk budget (chunks of
                      ``tokens / ceil(vocab / hidden)`` rows: 32 at Qwen3.5's vocabulary) instead of stitch's
                      ``CHUNK_TOKENS``-row chunks (``stitch.model.cross_entropy.liger_chunk_budget``).
+* ``packed_eager``   ``packed`` with stitch.model.graphs off: every MLP block eager instead of replayed from its
+                     CUDA graph (what the graphs are worth, in the same run).
 * ``stock``          plain transformers on the same LM and LoRA: ``--rows`` causal rows of ``--budget`` random
                      tokens, ``lm(inputs_embeds=..., labels=...)`` with ``--attn`` (sdpa), every token labelled.
                      The speed the model reaches on the same number of tokens with no packing at all.
@@ -433,8 +435,13 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         optimizer.step()
         return batch, group, loss, n_labels
 
+    from stitch.model import graphs
+
     with stock as lora_compute:
+        replays = graphs.STATS["replayed"]
         for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                replays = graphs.STATS["replayed"]
             t0 = time.perf_counter()
             batch, group, loss, n_labels = one_step()
             sync()
@@ -449,6 +456,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
                 sq += sum(len(s) ** 2 for s in group)
                 labels += n_labels
                 n_samples += len(group)
+        replays = (graphs.STATS["replayed"] - replays) / max(steps, 1)
         syncs = count_syncs(one_step)
         profile = (
             profile_steps(one_step, args.profile)
@@ -477,6 +485,9 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         "step_s_median": round(statistics.median(times), 4),
         "host_batch_s_median": round(statistics.median(host_s[args.warmup:args.warmup + steps]), 4),
         "device_syncs_per_step": syncs and syncs["n"],
+        # blocks replayed from captured CUDA graphs (stitch.model.graphs) a timed step; 0 where shapes change
+        "graph_replays_per_step": round(replays, 2),
+        "graphs_captured_total": graphs.STATS["captured"],
         "device_sync_sources": syncs and syncs["sources"],
         "real_tokens_per_step": round(real / steps, 1),
         "padded_tokens_per_step": round(padded / steps, 1),
@@ -501,6 +512,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         result["batch"] = args.baseline_batch
         result["warmup_note"] = "warm-up = one pass over the same padded batches that are then timed"
     clip = None  # noqa: F841 - free the tower before the next mode
+    graphs.drop_graphs(model)  # the next mode starts without this one's graphs (and their memory)
     return result
 
 
@@ -810,14 +822,15 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
     return summarize(info, modes)
 
 
-PACKED_VARIANTS = ("packed_unfused", "packed_gdn_reference", "packed_liger_chunks", "packed_ungrouped")
+PACKED_VARIANTS = ("packed_unfused", "packed_gdn_reference", "packed_liger_chunks", "packed_ungrouped", "packed_eager")
 
 
 @contextlib.contextmanager
 def packed_variant(mode: str, model):
     """The shipped packed step with one of its fast paths switched off inside (the ``PACKED_VARIANTS`` modes):
     transformers' own norms / MLP / RoPE / Gated DeltaNet forward, or only its Gated DeltaNet forward; liger's own
-    chunk budget for the head + loss; every Gated DeltaNet input projection its own node, as before the grouping."""
+    chunk budget for the head + loss; every Gated DeltaNet input projection its own node, as before the grouping;
+    no CUDA graphs (``packed_eager``: every block eager, as before stitch.model.graphs)."""
     if mode in ("packed_unfused", "packed_gdn_reference"):
         from stitch_qwen.kernels import (
             FUSED_MIXINS,
@@ -848,6 +861,14 @@ def packed_variant(mode: str, model):
             yield
         finally:
             qwen_kernels.shared_input_projections = grouped
+    elif mode == "packed_eager":
+        from stitch.model import graphs
+
+        enabled, graphs.ENABLED = graphs.ENABLED, False
+        try:
+            yield
+        finally:
+            graphs.ENABLED = enabled
     else:
         raise ValueError(f"{mode!r} is not one of {PACKED_VARIANTS}")
 

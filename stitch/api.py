@@ -13,6 +13,7 @@ from typing import Any
 from stitch.config.recipe import shipped_recipes
 from stitch.data.shared_slots import SlotBytes
 from stitch.model.automodel import automodel_backend
+from stitch.model.graphs import drop_graphs, static_block
 from stitch.model.precision import shared_input_projections
 from stitch.model.snapshots import shrink_layer_pattern, write_random_weights
 from stitch.model.varlen import (
@@ -78,6 +79,9 @@ __all__ = [
     "fla_seqlens",
     "fla_kernels_importable",
     "flatten_packed_rows",
+    # shape-static training blocks replayed as CUDA graphs
+    "static_block",
+    "drop_graphs",
     "reference_conv",
     "segments",
     "varlen_kernels_ready",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from stitch.api import (
+    drop_graphs,
     fla_conv,
     fla_kernels_importable,
     fla_seqlens,
@@ -26,6 +27,7 @@ from stitch.api import (
     reference_conv,
     segments,
     shared_input_projections,
+    static_block,
 )
 
 log = logging.getLogger("stitch")
@@ -136,11 +138,15 @@ class _FusedRMSNorm:
 
 
 class _FusedSwiGLU:
-    """Mixed into a gate/up/down MLP with SiLU: one kernel for silu(gate) * up, forward and backward."""
+    """Mixed into a gate/up/down MLP with SiLU: one kernel for silu(gate) * up, forward and backward; in a
+    shape-static training step (packed rows) the whole block replays as a CUDA graph (``static_block``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not fused_here(x):
             return super().forward(x)
+        return static_block(self, x, self.fused_forward)
+
+    def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(liger_functions()["swiglu"](self.gate_proj(x), self.up_proj(x)))
 
 
@@ -276,6 +282,7 @@ def fused_module_counts(model: Any) -> dict[str, int]:
 def restore_reference_kernels(model: Any, kinds: tuple[type, ...] = FUSED_MIXINS) -> None:
     """Undo ``use_fused_kernels`` (the benchmark's stock mode): transformers' own modules and RoPE; ``kinds`` limits
     it to some of the switched module kinds (RoPE is restored with the norms)."""
+    drop_graphs(model)
     for module in model.modules():
         if isinstance(module, kinds):
             module.__class__ = type(module).__mro__[2]

@@ -1,0 +1,135 @@
+"""stitch.model.graphs: a shape-static block (an MLP with LoRA) replays one captured CUDA graph per forward and
+backward instead of ~40 launches. The CPU tests check what a captured graph is keyed on and that nothing is captured
+off a GPU; the GPU tests check that a replayed block trains exactly as the eager one does (losses and gradients over
+optimizer steps that change the adapter in place) and that a second forward before its backward runs eagerly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from stitch.model import graphs
+from stitch.model.precision import lora_in_half_compute
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def tiny_lora_lm(device: str = "cpu", dtype=torch.float32):
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    cfg = transformers.Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    lm = transformers.Qwen3ForCausalLM._from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(device)
+    lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                          "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():  # B away from its zero init, so the adapter's path carries a gradient to A
+        for name, p in lm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    lora_in_half_compute(lm)
+    return lm
+
+
+def mlps(lm) -> list:
+    return [m for name, m in lm.named_modules() if name.endswith(".mlp")]
+
+
+def test_a_blocks_graph_is_keyed_on_its_input_shape_parameter_storage_and_adapter_state():
+    lm = tiny_lora_lm()
+    mlp = mlps(lm)[0]
+    x = torch.randn(1, 8, 64)
+    first = graphs.signature(mlp, x)
+    assert first is not None and graphs.signature(mlp, x.clone()) == first
+    assert graphs.signature(mlp, torch.randn(1, 9, 64)) != first  # another shape: another graph
+    assert graphs.signature(mlp, x.requires_grad_()) != first  # a gradient for the input or not
+    weight = mlp.gate_proj.base_layer.weight
+    weight.data = weight.data.clone()  # new storage: a graph captured on the old one would read stale weights
+    moved = graphs.signature(mlp, x.detach())
+    assert moved is not None and moved != first
+    with lm.disable_adapter():  # peft's own forward (no adapter) must run: nothing to capture
+        assert graphs.signature(mlp, x.detach()) is None
+    handle = mlp.up_proj.register_forward_hook(lambda *a: None)  # a graph would skip the hook
+    assert graphs.signature(mlp, x.detach()) is None
+    handle.remove()
+    assert graphs.signature(mlp, x.detach()) == moved
+
+
+def test_off_a_gpu_a_static_block_runs_its_eager_forward_and_captures_nothing():
+    lm = tiny_lora_lm()
+    mlp = mlps(lm)[0]
+    before = dict(graphs.STATS)
+    x = torch.randn(1, 8, 64, requires_grad=True)
+    for _ in range(graphs.REPEATS + 2):
+        out = graphs.static_block(mlp, x, mlp.forward)
+        torch.testing.assert_close(out, mlp.forward(x), rtol=0, atol=0)
+    assert graphs.STATS == before
+    assert mlp not in graphs._STATES or graphs._STATES[mlp].graph is None
+
+
+def _graphed_pair():
+    from stitch_qwen.kernels import liger_functions, use_fused_kernels
+
+    if liger_functions() is None:
+        pytest.skip("needs liger-kernel (the fused MLP is what calls static_block)")
+    eager = tiny_lora_lm("cuda", torch.bfloat16)
+    use_fused_kernels(eager)
+    graphed = copy.deepcopy(eager)
+    return graphed, eager
+
+
+def _step(lm, optimizer, ids, use_graphs: bool, monkeypatch) -> tuple[float, list[torch.Tensor]]:
+    monkeypatch.setattr(graphs, "ENABLED", use_graphs)
+    loss = lm(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in lm.parameters() if p.requires_grad]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss), grads
+
+
+@gpu
+def test_on_a_gpu_replayed_mlps_give_the_eager_losses_and_gradients_across_optimizer_steps(monkeypatch):
+    graphed, eager = _graphed_pair()
+    graphed.train(), eager.train()
+    opt_g = torch.optim.AdamW([p for p in graphed.parameters() if p.requires_grad], lr=1e-2)
+    opt_e = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    replayed = graphs.STATS["replayed"]
+    for step in range(6):
+        ids = torch.randint(0, 96, (1, 48), generator=gen).cuda()  # new tokens each step, one shape
+        loss_g, grads_g = _step(graphed, opt_g, ids, True, monkeypatch)
+        loss_e, grads_e = _step(eager, opt_e, ids, False, monkeypatch)
+        assert abs(loss_g - loss_e) <= 1e-3 * abs(loss_e), (step, loss_g, loss_e)
+        for g, e in zip(grads_g, grads_e, strict=True):
+            torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-5)
+    # captured on the second identical call, replayed from then on: 2 MLPs x 5 steps
+    assert graphs.STATS["replayed"] - replayed == 2 * (6 - graphs.REPEATS + 1)
+    assert all(graphs._STATES[m].graph is not None for m in mlps(graphed))
+    assert graphs.drop_graphs(graphed) == 2
+
+
+@gpu
+def test_on_a_gpu_a_second_forward_before_its_backward_runs_eagerly_with_the_right_gradients(monkeypatch):
+    graphed, eager = _graphed_pair()
+    graphed.train(), eager.train()
+    opt = torch.optim.SGD([p for p in graphed.parameters() if p.requires_grad], lr=0.0)
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 96, (1, 48), generator=gen).cuda() for _ in range(2)]
+    for _ in range(graphs.REPEATS):  # captured
+        _step(graphed, opt, ids[0], True, monkeypatch)
+    replayed = graphs.STATS["replayed"]
+    grads = {}
+    for name, lm, on in (("graphed", graphed, True), ("eager", eager, False)):
+        monkeypatch.setattr(graphs, "ENABLED", on)
+        total = lm(input_ids=ids[0], labels=ids[0]).loss + lm(input_ids=ids[1], labels=ids[1]).loss
+        total.backward()
+        grads[name] = [p.grad.clone() for p in lm.parameters() if p.requires_grad]
+        lm.zero_grad(set_to_none=True)
+    assert graphs.STATS["replayed"] - replayed == 2  # the first forward replays; the second (pending) runs eager
+    for g, e in zip(grads["graphed"], grads["eager"], strict=True):
+        torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-5)
