@@ -878,6 +878,8 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     timeout $((570 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b,qwen35_4b --steps 12 --warmup 4 \
       --skip-parity --modes packed,packed_eager,baseline --tag _round21b --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
       | grep -E "dense /|(packed|packed_eager|baseline): " | cut -c1-300
+    [ $SECONDS -lt 480 ] && timeout $((590 - SECONDS)) python3 -m pytest -q -rs -p no:cacheprovider -k qwen35 \
+      tests/test_cuda_graphs.py 2>&1 | tee "$OUT/gpu_tests_qwen35.log" | tail -3
     ;;
   profile20)  # why a packed dense 4B step costs ~20 % more per token slot than a padded one (hybrids20: 56.6 against
     # 46.1 us, Qwen3.5 66.6 against 55.3): device time by kernel for both modes, against their wall time

@@ -133,3 +133,56 @@ def test_on_a_gpu_a_second_forward_before_its_backward_runs_eagerly_with_the_rig
     assert graphs.STATS["replayed"] - replayed == 2  # the first forward replays; the second (pending) runs eager
     for g, e in zip(grads["graphed"], grads["eager"], strict=True):
         torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-5)
+
+
+@gpu
+def test_on_a_gpu_a_packed_qwen35_step_replays_its_projections_and_mlps_with_the_eager_losses_and_gradients(
+        monkeypatch):
+    """Qwen3.5 on fla (one Gated DeltaNet, one attention layer), LoRA on every projection, bf16, packed rows of three
+    samples: the Gated DeltaNet's four input projections and both MLPs replay as graphs from the second step on; the
+    conv, rule and attention between them stay eager on each step's sample starts."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from stitch.model.varlen import varlen_kernels_ready
+    from stitch_qwen import kernels
+
+    if not varlen_kernels_ready() or kernels.fla_gdn_functions() is None or kernels.liger_functions() is None:
+        pytest.skip("needs flash-linear-attention and liger-kernel")
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=True,
+        layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
+    torch.manual_seed(0)
+    base = transformers.Qwen3_5ForCausalLM._from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    base.requires_grad_(False)
+    eager = get_peft_model(base.cuda(), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
+        "gate_proj", "up_proj", "down_proj"]))
+    lora_in_half_compute(eager)
+    kernels.use_varlen(eager.base_model.model)
+    assert kernels.use_fused_kernels(eager)["gated_deltanet"] == 1
+    graphed = copy.deepcopy(eager)
+    eager.train(), graphed.train()
+    opt_g = torch.optim.AdamW([p for p in graphed.parameters() if p.requires_grad], lr=1e-2)
+    opt_e = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    replayed = graphs.STATS["replayed"]
+    for step, lengths in enumerate(([7, 11, 14], [12, 12, 8], [5, 20, 7], [16, 9, 7], [7, 11, 14])):
+        ids = torch.randint(1, 96, (1, sum(lengths)), generator=gen).cuda()
+        positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).cuda()
+        losses, grads = [], []
+        for lm, opt, on in ((graphed, opt_g, True), (eager, opt_e, False)):
+            monkeypatch.setattr(graphs, "ENABLED", on)
+            loss = lm(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
+            loss.backward()
+            losses.append(float(loss))
+            grads.append([p.grad.detach().clone() for p in lm.parameters() if p.requires_grad])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert abs(losses[0] - losses[1]) <= 1e-3 * abs(losses[1]), (step, losses)
+        for g, e in zip(*grads, strict=True):
+            torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-5)
+    # from the second step: the Gated DeltaNet's projections and two MLPs, four steps
+    assert graphs.STATS["replayed"] - replayed == 3 * 4

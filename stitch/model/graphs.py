@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -51,8 +51,8 @@ class _Token:
 class BlockGraph:
     """One block's forward and backward captured for one input signature."""
 
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                 params: list[nn.Parameter], signature: tuple) -> None:
+    def __init__(self, forward: Callable[[torch.Tensor], Any], x: torch.Tensor, params: list[nn.Parameter],
+                 signature: tuple) -> None:
         self.signature = signature
         self.params = params
         self.static_in = x.detach().clone().requires_grad_(x.requires_grad)
@@ -61,19 +61,21 @@ class BlockGraph:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP):
-                out = forward(self.static_in)
-                torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
-            del out
+                outs = _as_tuple(forward(self.static_in))
+                torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
+            del outs
         torch.cuda.current_stream().wait_stream(side)
         self.forward_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.forward_graph):
-            self.static_out = forward(self.static_in)
-        self.static_grad_out = torch.empty_like(self.static_out)
+            out = forward(self.static_in)
+        self.tuple_out = isinstance(out, tuple)
+        self.static_outs = _as_tuple(out)
+        self.static_grad_outs = tuple(torch.empty_like(o) for o in self.static_outs)
         self.backward_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.backward_graph, pool=_backward_pool()):
             # retain_graph: the forward graph's saved activations stay allocated in its pool, so no later capture
             # can place its own tensors where this block's replayed forward writes them
-            grads = torch.autograd.grad(self.static_out, wrt, self.static_grad_out, retain_graph=True,
+            grads = torch.autograd.grad(self.static_outs, wrt, self.static_grad_outs, retain_graph=True,
                                         allow_unused=True)
         self.grad_in = grads[0] if x.requires_grad else None
         self.param_grads = tuple(grads[1:] if x.requires_grad else grads)
@@ -83,8 +85,13 @@ class BlockGraph:
         """Whether a replayed forward's backward has not run yet while its autograd graph is still alive."""
         return self._pending is not None and self._pending() is not None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _Replay.apply(self, x, *self.params)
+    def __call__(self, x: torch.Tensor) -> Any:
+        outs = _Replay.apply(self, x, *self.params)
+        return outs if self.tuple_out else outs[0]
+
+
+def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 class _Replay(torch.autograd.Function):
@@ -95,12 +102,13 @@ class _Replay(torch.autograd.Function):
         ctx.graph, ctx.token = graph, _Token()
         graph._pending = weakref.ref(ctx.token)
         STATS["replayed"] += 1
-        return graph.static_out.detach()
+        return tuple(o.detach() for o in graph.static_outs)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, *grads):  # noqa: ANN001, ANN205
         graph = ctx.graph
-        graph.static_grad_out.copy_(grad)
+        for buffer, grad in zip(graph.static_grad_outs, grads, strict=True):
+            buffer.copy_(grad) if grad is not None else buffer.zero_()
         graph.backward_graph.replay()
         graph._pending = None
         return (None, graph.grad_in, *graph.param_grads)
@@ -168,24 +176,33 @@ def eligible(module: nn.Module, x: torch.Tensor) -> bool:
             and not (torch.distributed.is_available() and torch.distributed.is_initialized()))
 
 
-def signature(module: nn.Module, x: torch.Tensor) -> tuple | None:
-    """What a captured graph of ``module`` on ``x`` depends on; None when it cannot be captured (module hooks, a
-    LoRA layer that is not plain, a parameter that is not a plain dense tensor)."""
-    if _hooked(module):
-        return None
-    adapters = _adapters(module)
-    if adapters is None:
-        return None
+def _parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    return [p for m in modules for p in m.parameters()]
+
+
+def signature(modules: nn.Module | Sequence[nn.Module], x: torch.Tensor) -> tuple | None:
+    """What a captured graph of a forward over ``modules`` on ``x`` depends on; None when it cannot be captured
+    (module hooks, a LoRA layer that is not plain, a parameter that is not a plain dense tensor)."""
+    modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
+    adapters = []
+    for module in modules:
+        found = None if _hooked(module) else _adapters(module)
+        if found is None:
+            return None
+        adapters += found
     params = []
-    for p in module.parameters():
+    for p in _parameters(modules):
         if type(p) is not nn.Parameter or p.layout != torch.strided:
             return None
         params.append((p.data_ptr(), p.dtype, p.requires_grad))
-    return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad, tuple(params), adapters)
+    return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad, tuple(params), tuple(adapters))
 
 
-def static_block(module: nn.Module, x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``forward(x)``, through ``module``'s captured CUDA graph when the call allows one (module docstring)."""
+def static_block(module: nn.Module, x: torch.Tensor, forward: Callable[[torch.Tensor], Any],
+                 modules: Sequence[nn.Module] | None = None) -> Any:
+    """``forward(x)`` (a tensor or a tuple of tensors), through a CUDA graph captured for ``module`` when the call
+    allows one (module docstring). ``modules`` are those whose parameters ``forward`` reads (default: ``module``);
+    ``module`` keys the graph, one per module."""
     if not eligible(module, x):
         return forward(x)
     state = _STATES.get(module)
@@ -193,7 +210,8 @@ def static_block(module: nn.Module, x: torch.Tensor, forward: Callable[[torch.Te
         state = _STATES[module] = _BlockState()
     if state.failed:
         return forward(x)
-    sig = signature(module, x)
+    modules = (module,) if modules is None else tuple(modules)
+    sig = signature(modules, x)
     if sig is None:
         return forward(x)
     graph = state.graph
@@ -206,7 +224,7 @@ def static_block(module: nn.Module, x: torch.Tensor, forward: Callable[[torch.Te
     if state.seen < REPEATS:
         return forward(x)
     try:
-        state.graph = BlockGraph(forward, x, [p for p in module.parameters() if p.requires_grad], sig)
+        state.graph = BlockGraph(forward, x, [p for p in _parameters(modules) if p.requires_grad], sig)
     except Exception as err:  # a kernel that cannot be captured: this block stays eager, the run goes on
         state.failed = True
         STATS["failed"] += 1
