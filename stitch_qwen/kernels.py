@@ -231,9 +231,11 @@ class _FusedGatedDeltaNet:
         rows, width, _ = hidden_states.shape
         starts = kwargs.get("cu_seq_lens_q")  # stitch's packed calls (flatten_packed_rows); None otherwise
         # the four projections of one input: one autograd node when they are plain LoRA layers (their rank-r and
-        # 32-wide products share one GEMM), the modules' own forwards otherwise
-        mixed, gate, beta, decay = shared_input_projections(
-            hidden_states, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        # 32-wide products share one GEMM), the modules' own forwards otherwise; in a shape-static training step
+        # one CUDA graph forward and one backward (static_block)
+        projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        mixed, gate, beta, decay = static_block(
+            self.in_proj_qkv, hidden_states, lambda h: tuple(shared_input_projections(h, projections)), projections)
         qkv = fla["conv"](mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation, starts)
         query, key, value = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         core, _ = fla["rule"](
@@ -241,9 +243,13 @@ class _FusedGatedDeltaNet:
             value.reshape(rows, width, -1, self.head_v_dim), decay, beta, use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
             **fla_seqlens(starts))
-        core = fla["norm"](core.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim), self.norm.weight,
-                           None, activation=self.norm.activation, eps=self.norm.variance_epsilon)
-        return self.out_proj(core.reshape(rows, width, -1))
+
+        def gated_norm_and_out(core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+            normed = fla["norm"](core.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim),
+                                 self.norm.weight, None, activation=self.norm.activation, eps=self.norm.variance_epsilon)
+            return self.out_proj(normed.reshape(rows, width, -1))
+
+        return static_block(self.out_proj, (core, gate), gated_norm_and_out, (self.norm, self.out_proj))
 
 
 FUSED_MIXINS = (_FusedRMSNorm, _FusedSwiGLU, _FusedGatedDeltaNet)

@@ -139,8 +139,9 @@ def test_on_a_gpu_a_second_forward_before_its_backward_runs_eagerly_with_the_rig
 def test_on_a_gpu_a_packed_qwen35_step_replays_its_projections_and_mlps_with_the_eager_losses_and_gradients(
         monkeypatch):
     """Qwen3.5 on fla (one Gated DeltaNet, one attention layer), LoRA on every projection, bf16, packed rows of three
-    samples: the Gated DeltaNet's four input projections and both MLPs replay as graphs from the second step on; the
-    conv, rule and attention between them stay eager on each step's sample starts."""
+    samples: the Gated DeltaNet's four input projections, its gated norm + output projection and both MLPs replay as
+    graphs from the second step on; the conv, rule and attention between them stay eager on each step's sample
+    starts."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
@@ -184,5 +185,5 @@ def test_on_a_gpu_a_packed_qwen35_step_replays_its_projections_and_mlps_with_the
         assert abs(losses[0] - losses[1]) <= 1e-3 * abs(losses[1]), (step, losses)
         for g, e in zip(*grads, strict=True):
             torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-5)
-    # from the second step: the Gated DeltaNet's projections and two MLPs, four steps
-    assert graphs.STATS["replayed"] - replayed == 3 * 4
+    # from the second step: the Gated DeltaNet's projections and its gated norm + out_proj, two MLPs; four steps
+    assert graphs.STATS["replayed"] - replayed == 4 * 4

@@ -37,6 +37,7 @@ log = logging.getLogger("stitch")
 
 ENABLED = os.environ.get("STITCH_CUDA_GRAPHS", "1") != "0"
 REPEATS = 2  # identical calls in a row before a block is captured (a padded step's shapes rarely repeat)
+CAPTURES = 3  # captures a block may make in a process (a new signature that repeats replaces the old graph)
 WARMUP = 2  # eager forward + backward passes on a side stream before capture (cuBLAS, Triton's first launches)
 
 STATS = {"captured": 0, "replayed": 0, "failed": 0}  # process-wide counters (benchmarks report replays per step)
@@ -51,23 +52,24 @@ class _Token:
 class BlockGraph:
     """One block's forward and backward captured for one input signature."""
 
-    def __init__(self, forward: Callable[[torch.Tensor], Any], x: torch.Tensor, params: list[nn.Parameter],
+    def __init__(self, forward: Callable[..., Any], xs: tuple[torch.Tensor, ...], params: list[nn.Parameter],
                  signature: tuple) -> None:
         self.signature = signature
         self.params = params
-        self.static_in = x.detach().clone().requires_grad_(x.requires_grad)
-        wrt = ([self.static_in] if x.requires_grad else []) + params
+        self.static_ins = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in xs)
+        wanted = [x for x in self.static_ins if x.requires_grad]
+        wrt = wanted + params
         side = _side_stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP):
-                outs = _as_tuple(forward(self.static_in))
+                outs = _as_tuple(forward(*self.static_ins))
                 torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
             del outs
         torch.cuda.current_stream().wait_stream(side)
         self.forward_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.forward_graph):
-            out = forward(self.static_in)
+            out = forward(*self.static_ins)
         self.tuple_out = isinstance(out, tuple)
         self.static_outs = _as_tuple(out)
         self.static_grad_outs = tuple(torch.empty_like(o) for o in self.static_outs)
@@ -75,18 +77,18 @@ class BlockGraph:
         with torch.cuda.graph(self.backward_graph, pool=_backward_pool()):
             # retain_graph: the forward graph's saved activations stay allocated in its pool, so no later capture
             # can place its own tensors where this block's replayed forward writes them
-            grads = torch.autograd.grad(self.static_outs, wrt, self.static_grad_outs, retain_graph=True,
-                                        allow_unused=True)
-        self.grad_in = grads[0] if x.requires_grad else None
-        self.param_grads = tuple(grads[1:] if x.requires_grad else grads)
+            grads = iter(torch.autograd.grad(self.static_outs, wrt, self.static_grad_outs, retain_graph=True,
+                                             allow_unused=True))
+        self.input_grads = tuple(next(grads) if x.requires_grad else None for x in self.static_ins)
+        self.param_grads = tuple(grads)
         self._pending: weakref.ref | None = None
 
     def pending(self) -> bool:
         """Whether a replayed forward's backward has not run yet while its autograd graph is still alive."""
         return self._pending is not None and self._pending() is not None
 
-    def __call__(self, x: torch.Tensor) -> Any:
-        outs = _Replay.apply(self, x, *self.params)
+    def __call__(self, *xs: torch.Tensor) -> Any:
+        outs = _Replay.apply(self, *xs, *self.params)
         return outs if self.tuple_out else outs[0]
 
 
@@ -96,8 +98,9 @@ def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, graph, x, *params):  # noqa: ANN001, ANN205 - autograd's signature
-        graph.static_in.detach().copy_(x)
+    def forward(ctx, graph, *tensors):  # noqa: ANN001, ANN205 - autograd's signature
+        for buffer, x in zip(graph.static_ins, tensors, strict=False):  # the inputs, then the parameters
+            buffer.detach().copy_(x)
         graph.forward_graph.replay()
         ctx.graph, ctx.token = graph, _Token()
         graph._pending = weakref.ref(ctx.token)
@@ -111,17 +114,19 @@ class _Replay(torch.autograd.Function):
             buffer.copy_(grad) if grad is not None else buffer.zero_()
         graph.backward_graph.replay()
         graph._pending = None
-        return (None, graph.grad_in, *graph.param_grads)
+        return (None, *graph.input_grads, *graph.param_grads)
 
 
 class _BlockState:
-    __slots__ = ("graph", "last", "seen", "failed")
+    __slots__ = ("graph", "last", "seen", "failed", "layout", "captures")
 
     def __init__(self) -> None:
         self.graph: BlockGraph | None = None
         self.last: tuple | None = None
         self.seen = 0
         self.failed = False
+        self.layout: Layout | None = None
+        self.captures = 0
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, _BlockState] = weakref.WeakKeyDictionary()
@@ -141,30 +146,44 @@ def _backward_pool() -> Any:
     return _POOL[0]
 
 
-def _hooked(module: nn.Module) -> bool:
-    from torch.nn.modules import module as base
+class Layout:
+    """What a block's forward reads, collected once per block: its parameters, its LoRA layers (whose active adapter
+    is read on every call) and the modules whose hooks a graph would skip (the block's modules, the LoRA layers and
+    their base layers); None fields when it cannot be captured (peft layers stitch did not switch to its one-node
+    product, parameters that are not plain dense tensors)."""
 
-    if base._global_forward_hooks or base._global_forward_pre_hooks or base._global_backward_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in module.modules())
+    __slots__ = ("params", "loras", "watched", "capturable")
 
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        from stitch.model.precision import _OneNodeLoRA
 
-def _adapters(module: nn.Module) -> tuple | None:
-    """Each LoRA layer's active plain adapter, or None when one is not plain (peft's own forward must run: dropout,
-    several adapters, a disabled adapter) or is a peft layer stitch did not switch to its one-node product."""
-    from stitch.model.precision import _OneNodeLoRA
+        self.params = [p for m in modules for p in m.parameters()]
+        self.loras = [s for m in modules for s in m.modules() if isinstance(s, _OneNodeLoRA)]
+        self.watched = [*modules, *self.loras, *(lora.base_layer for lora in self.loras)]
+        unswitched = any(hasattr(s, "lora_A") and hasattr(s, "active_adapters") and not isinstance(s, _OneNodeLoRA)
+                         for m in modules for s in m.modules())
+        dense = all(type(p) is nn.Parameter and p.layout == torch.strided for p in self.params)
+        self.capturable = dense and not unswitched
 
-    names = []
-    for m in module.modules():
-        if isinstance(m, _OneNodeLoRA):
-            name = m.plain_adapter()
-            if name is None:
-                return None
-            names.append(name)
-        elif hasattr(m, "lora_A") and hasattr(m, "active_adapters"):
+    def signature(self, xs: tuple[torch.Tensor, ...]) -> tuple | None:
+        """What a captured graph on inputs ``xs`` depends on; None when this call cannot use one (module hooks, a
+        LoRA layer whose active adapter is not plain, nothing that needs a gradient)."""
+        from torch.nn.modules import module as base
+
+        if not self.capturable or base._global_forward_hooks or base._global_forward_pre_hooks \
+                or base._global_backward_hooks:
             return None
-    return tuple(names)
+        if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in self.watched):
+            return None
+        adapters = tuple(lora.plain_adapter() for lora in self.loras)
+        if None in adapters:
+            return None
+        params = tuple((p.data_ptr(), p.dtype, p.requires_grad) for p in self.params)
+        inputs = tuple((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad) for x in xs)
+        if not any(grad for *_, grad in inputs) and not any(grad for *_, grad in params):
+            return None  # a forward-only call: nothing for a backward graph to do
+        return inputs, params, adapters
 
 
 def eligible(module: nn.Module, x: torch.Tensor) -> bool:
@@ -176,62 +195,54 @@ def eligible(module: nn.Module, x: torch.Tensor) -> bool:
             and not (torch.distributed.is_available() and torch.distributed.is_initialized()))
 
 
-def _parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
-    return [p for m in modules for p in m.parameters()]
+def signature(modules: nn.Module | Sequence[nn.Module], *xs: torch.Tensor) -> tuple | None:
+    """What a captured graph of a forward over ``modules`` on inputs ``xs`` depends on (``Layout.signature``)."""
+    return Layout((modules,) if isinstance(modules, nn.Module) else tuple(modules)).signature(xs)
 
 
-def signature(modules: nn.Module | Sequence[nn.Module], x: torch.Tensor) -> tuple | None:
-    """What a captured graph of a forward over ``modules`` on ``x`` depends on; None when it cannot be captured
-    (module hooks, a LoRA layer that is not plain, a parameter that is not a plain dense tensor)."""
-    modules = (modules,) if isinstance(modules, nn.Module) else tuple(modules)
-    adapters = []
-    for module in modules:
-        found = None if _hooked(module) else _adapters(module)
-        if found is None:
-            return None
-        adapters += found
-    params = []
-    for p in _parameters(modules):
-        if type(p) is not nn.Parameter or p.layout != torch.strided:
-            return None
-        params.append((p.data_ptr(), p.dtype, p.requires_grad))
-    return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad, tuple(params), tuple(adapters))
-
-
-def static_block(module: nn.Module, x: torch.Tensor, forward: Callable[[torch.Tensor], Any],
+def static_block(module: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...], forward: Callable[..., Any],
                  modules: Sequence[nn.Module] | None = None) -> Any:
-    """``forward(x)`` (a tensor or a tuple of tensors), through a CUDA graph captured for ``module`` when the call
-    allows one (module docstring). ``modules`` are those whose parameters ``forward`` reads (default: ``module``);
-    ``module`` keys the graph, one per module."""
-    if not eligible(module, x):
-        return forward(x)
+    """``forward(x)``, or ``forward(*x)`` for a tuple of tensors, returning a tensor or a tuple of tensors, through a
+    CUDA graph captured for ``module`` when the call allows one (module docstring). ``modules`` are those whose
+    parameters ``forward`` reads (default: ``module``); ``module`` keys the graph. A block whose signature changes
+    (its parameters moved, another shape) is captured again once the new signature repeats, at most ``CAPTURES``
+    times."""
+    xs = x if isinstance(x, tuple) else (x,)
+    if not eligible(module, xs[0]):
+        return forward(*xs)
     state = _STATES.get(module)
     if state is None:
         state = _STATES[module] = _BlockState()
     if state.failed:
-        return forward(x)
+        return forward(*xs)
     modules = (module,) if modules is None else tuple(modules)
-    sig = signature(modules, x)
+    if state.layout is None:
+        state.layout = Layout(modules)
+    sig = state.layout.signature(xs)
     if sig is None:
-        return forward(x)
+        return forward(*xs)
     graph = state.graph
-    if graph is not None:
-        if graph.signature != sig or graph.pending():
-            return forward(x)
-        return graph(x)
+    if graph is not None and graph.signature == sig:
+        return forward(*xs) if graph.pending() else graph(*xs)
     state.seen = state.seen + 1 if sig == state.last else 1
     state.last = sig
-    if state.seen < REPEATS:
-        return forward(x)
+    if state.seen < REPEATS or state.captures >= CAPTURES or (graph is not None and graph.pending()):
+        return forward(*xs)
+    state.layout = Layout(modules)  # afresh: an adapter may have been added since the layout was read
+    sig = state.layout.signature(xs)
+    if sig is None:
+        return forward(*xs)
+    state.graph = None  # the previous graph's memory goes back before the new capture
     try:
-        state.graph = BlockGraph(forward, x, [p for p in _parameters(modules) if p.requires_grad], sig)
+        state.graph = BlockGraph(forward, xs, [p for p in state.layout.params if p.requires_grad], sig)
     except Exception as err:  # a kernel that cannot be captured: this block stays eager, the run goes on
         state.failed = True
         STATS["failed"] += 1
         log.warning("%s: CUDA graph capture failed, running it eagerly: %s", type(module).__name__, err)
-        return forward(x)
+        return forward(*xs)
+    state.captures += 1
     STATS["captured"] += 1
-    return state.graph(x)
+    return state.graph(*xs)
 
 
 def drop_graphs(model: nn.Module) -> int:
