@@ -6,8 +6,9 @@ step for ~130-160 ms of device work (BENCHMARKS.md §0s). Packing makes a step's
 projections and an activation, ~16 launches forward and ~26 backward) can be captured once and replayed: one copy
 and one graph launch forward, one copy, one graph launch and a copy per trainable parameter backward.
 
-``static_block(module, x, forward)`` is what a model plugin's block calls: it runs ``forward(x)`` eagerly, or
-replays the graph captured for ``module`` once the same input signature has been seen on ``REPEATS`` calls in a row.
+``static_block(module, x, forward)`` is what a model plugin's block calls (``x`` a tensor or a tuple of them; the
+output too): it runs ``forward(x)`` eagerly, or replays the graph captured for ``module`` once the same input
+signature has been seen on ``REPEATS`` calls in a row.
 The signature covers everything the captured kernels depend on: the input's shape, strides, dtype and device,
 whether it needs a gradient, each parameter's storage address, dtype and ``requires_grad``, and the LoRA adapter
 each LoRA layer runs. Anything else runs eagerly: CPU tensors, no-grad or eval calls, autocast, saved-tensor hooks
@@ -17,9 +18,10 @@ captured one, and a second forward while the first one's backward is still pendi
 activations: DPO's chosen and rejected passes before one backward).
 
 Memory: each block's forward graph has a private pool (it holds the activations its backward reads, as eager
-autograd does during a step); all backward graphs share one pool, which is safe in any replay order because a
-backward graph's outputs are consumed before any other backward graph runs. ``STITCH_CUDA_GRAPHS=0`` turns the
-whole mechanism off.
+autograd does during a step); all backward graphs share one pool. That is safe in any order of capture and replay:
+a backward graph copies the gradients it receives into buffers outside the pool before it replays, and its own
+outputs are taken (cloned into ``.grad``, or read by the next autograd node) before another backward graph runs.
+``STITCH_CUDA_GRAPHS=0`` turns the whole mechanism off.
 """
 
 from __future__ import annotations
