@@ -76,7 +76,9 @@ class BlockGraph:
         self.static_outs = _as_tuple(out)
         self.static_grad_outs = tuple(torch.empty_like(o) for o in self.static_outs)
         self.backward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.backward_graph, pool=_backward_pool()):
+        pool = _backward_pool()
+        _LIVE.add(self)
+        with torch.cuda.graph(self.backward_graph, pool=pool):
             # retain_graph: the forward graph's saved activations stay allocated in its pool, so no later capture
             # can place its own tensors where this block's replayed forward writes them
             grads = iter(torch.autograd.grad(self.static_outs, wrt, self.static_grad_outs, retain_graph=True,
@@ -142,9 +144,14 @@ def _side_stream() -> torch.cuda.Stream:
     return _SIDE[0]
 
 
+_LIVE: weakref.WeakSet[BlockGraph] = weakref.WeakSet()  # the graphs whose backward uses the shared pool
+
+
 def _backward_pool() -> Any:
-    if not _POOL:
-        _POOL.append(torch.cuda.graph_pool_handle())
+    """The shared backward pool; a new one once every graph that used the last one is gone (torch frees a pool with
+    its last graph, and a capture into a freed pool's handle fails)."""
+    if not _POOL or not _LIVE:
+        _POOL[:] = [torch.cuda.graph_pool_handle()]
     return _POOL[0]
 
 
