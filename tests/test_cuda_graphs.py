@@ -1,5 +1,5 @@
-"""stitch.model.graphs: a shape-static block (an MLP with LoRA) replays one captured CUDA graph per forward and
-backward instead of ~40 launches. The CPU tests check what a captured graph is keyed on and that nothing is captured
+"""stitch.model.graphs: a shape-static block (an MLP, a LoRA layer) replays one captured CUDA graph per forward and
+backward instead of its launches one by one. The CPU tests check what a captured graph is keyed on and that nothing is captured
 off a GPU; the GPU tests check that a replayed block trains exactly as the eager one does (losses and gradients over
 optimizer steps that change the adapter in place) and that a second forward before its backward runs eagerly."""
 
@@ -107,10 +107,11 @@ def test_on_a_gpu_replayed_mlps_give_the_eager_losses_and_gradients_across_optim
         assert abs(loss_g - loss_e) <= 1e-3 * abs(loss_e), (step, loss_g, loss_e)
         for g, e in zip(grads_g, grads_e, strict=True):
             torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-5)
-    # captured on the second identical call, replayed from then on: 2 MLPs x 5 steps
-    assert graphs.STATS["replayed"] - replayed == 2 * (6 - graphs.REPEATS + 1)
+    # captured on the second identical call, replayed from then on: per step 2 MLPs (their LoRA layers inside their
+    # graphs) and 2 x 4 attention LoRA layers, 5 steps
+    assert graphs.STATS["replayed"] - replayed == 10 * (6 - graphs.REPEATS + 1)
     assert all(graphs._STATES[m].graph is not None for m in mlps(graphed))
-    assert graphs.drop_graphs(graphed) == 2
+    assert graphs.drop_graphs(graphed) == 10
 
 
 @gpu
@@ -130,7 +131,7 @@ def test_on_a_gpu_a_second_forward_before_its_backward_runs_eagerly_with_the_rig
         total.backward()
         grads[name] = [p.grad.clone() for p in lm.parameters() if p.requires_grad]
         lm.zero_grad(set_to_none=True)
-    assert graphs.STATS["replayed"] - replayed == 2  # the first forward replays; the second (pending) runs eager
+    assert graphs.STATS["replayed"] - replayed == 10  # the first forward replays its 10 blocks; the second runs eager
     for g, e in zip(grads["graphed"], grads["eager"], strict=True):
         torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-5)
 
@@ -185,5 +186,6 @@ def test_on_a_gpu_a_packed_qwen35_step_replays_its_projections_and_mlps_with_the
         assert abs(losses[0] - losses[1]) <= 1e-3 * abs(losses[1]), (step, losses)
         for g, e in zip(*grads, strict=True):
             torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-5)
-    # from the second step: the Gated DeltaNet's projections and its gated norm + out_proj, two MLPs; four steps
-    assert graphs.STATS["replayed"] - replayed == 4 * 4
+    # from the second step: the Gated DeltaNet's projections and its gated norm + out_proj, two MLPs, the attention
+    # layer's four LoRA projections; four steps
+    assert graphs.STATS["replayed"] - replayed == 8 * 4

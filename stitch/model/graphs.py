@@ -134,6 +134,7 @@ class _BlockState:
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, _BlockState] = weakref.WeakKeyDictionary()
+_DEPTH = [0]  # static_block calls under way on this (the training) thread
 _SIDE: list[torch.cuda.Stream] = []
 _POOL: list[Any] = []
 
@@ -217,8 +218,17 @@ def static_block(module: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...], 
     (its parameters moved, another shape) is captured again once the new signature repeats, at most ``CAPTURES``
     times."""
     xs = x if isinstance(x, tuple) else (x,)
-    if not eligible(module, xs[0]):
+    if _DEPTH[0] or not eligible(module, xs[0]):
         return forward(*xs)
+    _DEPTH[0] += 1  # a block inside this one (a LoRA layer in an MLP) runs as part of this one's graph or forward
+    try:
+        return _static_block(module, xs, forward, modules)
+    finally:
+        _DEPTH[0] -= 1
+
+
+def _static_block(module: nn.Module, xs: tuple[torch.Tensor, ...], forward: Callable[..., Any],
+                  modules: Sequence[nn.Module] | None) -> Any:
     state = _STATES.get(module)
     if state is None:
         state = _STATES[module] = _BlockState()

@@ -82,7 +82,15 @@ class _OneNodeLoRA:
         name = self.plain_adapter(args, kwargs)
         if name is None:
             return super().forward(x, *args, **kwargs)
-        base = self.base_layer
+        if x.is_cuda:  # in a shape-static training step, one CUDA graph forward and one backward
+            from stitch.model.graphs import static_block
+
+            return static_block(self, x, self.lora_product)
+        return self.lora_product(x)
+
+    def lora_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain adapter's ``LoRAProduct`` (``plain_adapter`` said this call is plain)."""
+        name, base = self.active_adapters[0], self.base_layer
         return LoRAProduct.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
                                  self.scaling[name])
 
