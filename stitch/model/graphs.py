@@ -2,9 +2,11 @@
 
 A packed SFT step on a 4B model is paced by the host: ~4,100 kernel launches and ~20,000 dispatched operators a
 step for ~130-160 ms of device work (BENCHMARKS.md §0s). Packing makes a step's shapes static (every step is
-``rows x token_budget`` tokens), so a block whose work depends only on its input's shape (an MLP: three LoRA
-projections and an activation, ~16 launches forward and ~26 backward) can be captured once and replayed: one copy
-and one graph launch forward, one copy, one graph launch and a copy per trainable parameter backward.
+``rows x token_budget`` tokens), so a block whose work depends only on its input's shape (a plain LoRA layer: two
+casts and three GEMMs forward, seven launches backward; an MLP; a Gated DeltaNet's four input projections) can be
+captured once and replayed: one copy and one graph launch forward, one copy, one graph launch and a copy per
+trainable parameter backward. A block called inside another (the LoRA layers of a graphed MLP) is part of the
+outer one's graph.
 
 ``static_block(module, x, forward)`` is what a model plugin's block calls (``x`` a tensor or a tuple of them; the
 output too): it runs ``forward(x)`` eagerly, or replays the graph captured for ``module`` once the same input
