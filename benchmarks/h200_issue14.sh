@@ -887,6 +887,15 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       && [ $SECONDS -lt 560 ] && timeout $((590 - SECONDS)) python3 -m pytest -q -p no:cacheprovider \
       -k "gpu and not qwen35" tests/test_cuda_graphs.py 2>&1 | tee "$OUT/gpu_tests_mutated.log" | tail -2
     ;;
+  graphs21c)  # graphs21 again after the capture fix (fresh leaves stand in for the trainable parameters while a
+    # block is captured): the tiny GPU tests, then dense 4B packed (graphs: every LoRA layer and MLP), packed_eager and
+    # the padded baseline in ONE process, packed ones profiled; carry .whl-liger .whl-pydantic
+    timeout 100 python3 -m pytest -q -rs -p no:cacheprovider -k "gpu and not qwen35" tests/test_cuda_graphs.py \
+      tests/test_perf_lora_product.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    timeout $((290 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b --steps 12 --warmup 4 \
+      --skip-parity --modes packed,packed_eager,baseline --profile 2 --profile-modes packed --tag _round21c \
+      --out "$OUT" 2>&1 | tee "$OUT/sft.log" | grep -E "(packed|packed_eager|baseline): " | cut -c1-300
+    ;;
   profile20)  # why a packed dense 4B step costs ~20 % more per token slot than a padded one (hybrids20: 56.6 against
     # 46.1 us, Qwen3.5 66.6 against 55.3): device time by kernel for both modes, against their wall time
     export PYTHONPATH=/tmp/site:.

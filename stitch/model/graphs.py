@@ -28,10 +28,11 @@ outputs are taken (cloned into ``.grad``, or read by the next autograd node) bef
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,13 +57,16 @@ class _Token:
 class BlockGraph:
     """One block's forward and backward captured for one input signature."""
 
-    def __init__(self, forward: Callable[..., Any], xs: tuple[torch.Tensor, ...], params: list[nn.Parameter],
+    def __init__(self, forward: Callable[..., Any], xs: tuple[torch.Tensor, ...], layout: Layout,
                  signature: tuple) -> None:
         self.signature = signature
-        self.params = params
+        self.params = [p for p in layout.params if p.requires_grad]
         self.static_ins = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in xs)
-        wanted = [x for x in self.static_ins if x.requires_grad]
-        wrt = wanted + params
+        with _stand_ins(layout, self.params) as leaves:
+            self._capture(forward, [x for x in self.static_ins if x.requires_grad] + leaves)
+        self._pending: weakref.ref | None = None
+
+    def _capture(self, forward: Callable[..., Any], wrt: list[torch.Tensor]) -> None:
         side = _side_stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -87,7 +91,6 @@ class BlockGraph:
                                              allow_unused=True))
         self.input_grads = tuple(next(grads) if x.requires_grad else None for x in self.static_ins)
         self.param_grads = tuple(grads)
-        self._pending: weakref.ref | None = None
 
     def pending(self) -> bool:
         """Whether a replayed forward's backward has not run yet while its autograd graph is still alive."""
@@ -141,6 +144,23 @@ _SIDE: list[torch.cuda.Stream] = []
 _POOL: list[Any] = []
 
 
+@contextlib.contextmanager
+def _stand_ins(layout: Layout, params: list[nn.Parameter]) -> Iterator[list[nn.Parameter]]:
+    """Fresh leaf parameters on the same storage in place of ``params`` while a block is captured. autograd keeps one
+    gradient accumulator per parameter and runs it on the stream it was made on; a graph of an earlier step still
+    alive (a loss kept for logging) keeps it on the default stream, and a backward captured on the capture stream
+    would then wait on the default stream, which invalidates the capture."""
+    leaves = [nn.Parameter(p.detach(), requires_grad=True) for p in params]
+    owners = [layout.owners[id(p)] for p in params]
+    for (module, name), leaf in zip(owners, leaves, strict=True):
+        module._parameters[name] = leaf
+    try:
+        yield leaves
+    finally:
+        for (module, name), p in zip(owners, params, strict=True):
+            module._parameters[name] = p
+
+
 def _side_stream() -> torch.cuda.Stream:
     if not _SIDE:
         _SIDE.append(torch.cuda.Stream())
@@ -164,18 +184,22 @@ class Layout:
     their base layers); None fields when it cannot be captured (peft layers stitch did not switch to its one-node
     product, parameters that are not plain dense tensors)."""
 
-    __slots__ = ("params", "loras", "watched", "capturable")
+    __slots__ = ("params", "owners", "loras", "watched", "capturable")
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         from stitch.model.precision import _OneNodeLoRA
 
         self.params = [p for m in modules for p in m.parameters()]
+        # (module, name) of every trainable parameter, to stand fresh leaves in for them while capturing
+        entries = [(s, n, p) for m in modules for s in m.modules() for n, p in s.named_parameters(recurse=False)
+                   if p.requires_grad]
+        self.owners = {id(p): (s, n) for s, n, p in entries}
         self.loras = [s for m in modules for s in m.modules() if isinstance(s, _OneNodeLoRA)]
         self.watched = [*modules, *self.loras, *(lora.base_layer for lora in self.loras)]
         unswitched = any(hasattr(s, "lora_A") and hasattr(s, "active_adapters") and not isinstance(s, _OneNodeLoRA)
                          for m in modules for s in m.modules())
         dense = all(type(p) is nn.Parameter and p.layout == torch.strided for p in self.params)
-        self.capturable = dense and not unswitched
+        self.capturable = dense and not unswitched and len(self.owners) == len(entries)  # no tied trainable one
 
     def signature(self, xs: tuple[torch.Tensor, ...]) -> tuple | None:
         """What a captured graph on inputs ``xs`` depends on; None when this call cannot use one (module hooks, a
@@ -255,11 +279,14 @@ def _static_block(module: nn.Module, xs: tuple[torch.Tensor, ...], forward: Call
         return forward(*xs)
     state.graph = None  # the previous graph's memory goes back before the new capture
     try:
-        state.graph = BlockGraph(forward, xs, [p for p in state.layout.params if p.requires_grad], sig)
-    except Exception as err:  # a kernel that cannot be captured: this block stays eager, the run goes on
-        state.failed = True
+        state.graph = BlockGraph(forward, xs, state.layout, sig)
+    except Exception as err:  # the run goes on eagerly; a failed capture can leave the allocator recording into its
+        # pool, so no block of this process tries again
+        global ENABLED
+        ENABLED, state.failed = False, True
         STATS["failed"] += 1
-        log.warning("%s: CUDA graph capture failed, running it eagerly: %s", type(module).__name__, err)
+        log.warning("%s: CUDA graph capture failed; every block of this process runs eagerly from now on: %s",
+                    type(module).__name__, err)
         return forward(*xs)
     state.captures += 1
     STATS["captured"] += 1
