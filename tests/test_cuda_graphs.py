@@ -196,3 +196,16 @@ def test_on_a_gpu_a_packed_qwen35_step_replays_its_projections_and_mlps_with_the
     # layer's four LoRA projections; four steps
     assert graphs.STATS["replayed"] - replayed == 8 * 4 and graphs.STATS["failed"] == 0
     KEPT.clear()
+
+
+def test_a_block_is_captured_only_with_room_for_its_graphs_buffers(monkeypatch):
+    """room_for: free memory (the driver's plus torch's reserved but unallocated) against 8x the inputs' bytes + 1 GiB;
+    checked with the CUDA memory calls stubbed, so it runs on any machine."""
+    x = torch.empty(4096, 2560, dtype=torch.bfloat16)  # 20 MiB: a capture asks for 160 MiB + 1 GiB
+    need = graphs.ROOM_FACTOR * 20 * 2**20 + graphs.ROOM_MARGIN
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * 2**30 - 2**20)  # 1 MiB unused
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - 2**20, 80 * 2**30))
+    assert graphs.room_for((x,))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - 2**20 - 1, 80 * 2**30))
+    assert not graphs.room_for((x,))

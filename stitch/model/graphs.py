@@ -43,6 +43,7 @@ log = logging.getLogger("stitch")
 ENABLED = os.environ.get("STITCH_CUDA_GRAPHS", "1") != "0"
 REPEATS = 2  # identical calls in a row before a block is captured (a padded step's shapes rarely repeat)
 CAPTURES = 3  # captures a block may make in a process (a new signature that repeats replaces the old graph)
+ROOM_FACTOR, ROOM_MARGIN = 8, 1 << 30  # free memory a capture asks for: 8x its inputs' bytes + 1 GiB (room_for)
 WARMUP = 2  # eager forward + backward passes on a side stream before capture (cuBLAS, Triton's first launches)
 
 STATS = {"captured": 0, "replayed": 0, "failed": 0}  # process-wide counters (benchmarks report replays per step)
@@ -142,6 +143,19 @@ _STATES: weakref.WeakKeyDictionary[nn.Module, _BlockState] = weakref.WeakKeyDict
 _DEPTH = [0]  # static_block calls under way on this (the training) thread
 _SIDE: list[torch.cuda.Stream] = []
 _POOL: list[Any] = []
+
+
+def room_for(xs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the device has room for one more block's graph. A graph keeps buffers eager autograd frees or never
+    makes: a copy of its input, its output, the gradient it receives and the one it returns (on a dense 4B packed
+    step, 180 blocks took 11.7 GiB more at peak than eager). Capture only with ``ROOM_FACTOR`` times the inputs'
+    bytes free (what the driver has plus what torch holds unused), so a run that fits eagerly does not run out
+    of memory for its graphs; short of that the block stays eager."""
+    device = xs[0].device
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    need = ROOM_FACTOR * sum(x.numel() * x.element_size() for x in xs) + ROOM_MARGIN
+    return free + unused >= need
 
 
 @contextlib.contextmanager
@@ -278,6 +292,9 @@ def _static_block(module: nn.Module, xs: tuple[torch.Tensor, ...], forward: Call
     if sig is None:
         return forward(*xs)
     state.graph = None  # the previous graph's memory goes back before the new capture
+    if not room_for(xs):
+        state.seen = 0  # eager until the same signature repeats again with room
+        return forward(*xs)
     try:
         state.graph = BlockGraph(forward, xs, state.layout, sig)
     except Exception as err:  # the run goes on eagerly; a failed capture can leave the allocator recording into its
