@@ -113,6 +113,9 @@
 #                                             # packed_eager / baseline in one process (carry .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh graphs21b  # the same three modes for dense 4B and Qwen3.5-4B in one process (carry
 #                                             # .whl .whl-liger .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh graphs21c  # graphs21 after the capture fix (carry .whl-liger .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh graphs21d  # Qwen3.5-4B packed / packed_eager / baseline in one process (carry .whl
+#                                             # .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -895,6 +898,14 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     timeout $((290 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b --steps 12 --warmup 4 \
       --skip-parity --modes packed,packed_eager,baseline --profile 2 --profile-modes packed --tag _round21c \
       --out "$OUT" 2>&1 | tee "$OUT/sft.log" | grep -E "(packed|packed_eager|baseline): " | cut -c1-300
+    ;;
+  graphs21d)  # Qwen3.5-4B alone after graphs21c's fix, on the same warm machine: packed (graphs), packed_eager and the
+    # padded baseline in ONE process, 10 timed steps (the baseline did not finish inside the call); carry .whl
+    # .whl-liger .whl-pydantic
+    use_fla
+    timeout $((285 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 10 --warmup 4 \
+      --skip-parity --modes packed,packed_eager,baseline --tag _round21d --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "(packed|packed_eager|baseline): |capture failed" | cut -c1-300
     ;;
   profile20)  # why a packed dense 4B step costs ~20 % more per token slot than a padded one (hybrids20: 56.6 against
     # 46.1 us, Qwen3.5 66.6 against 55.3): device time by kernel for both modes, against their wall time
