@@ -256,7 +256,8 @@ def static_block(module: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...], 
     CUDA graph captured for ``module`` when the call allows one (module docstring). ``modules`` are those whose
     parameters ``forward`` reads (default: ``module``); ``module`` keys the graph. A block whose signature changes
     (its parameters moved, another shape) is captured again once the new signature repeats, at most ``CAPTURES``
-    times."""
+    times. A replayed output lives in the graph's buffer until the block's next replay, and autograd's version
+    checks do not see inside the graph: the caller reads it, never modifies it in place."""
     xs = x if isinstance(x, tuple) else (x,)
     if _DEPTH[0] or not eligible(module, xs[0]):
         return forward(*xs)
