@@ -201,16 +201,15 @@ class Layout:
     __slots__ = ("params", "owners", "loras", "watched", "capturable")
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
-        from stitch.model.precision import _OneNodeLoRA
-
         self.params = [p for m in modules for p in m.parameters()]
         # (module, name) of every trainable parameter, to stand fresh leaves in for them while capturing
         entries = [(s, n, p) for m in modules for s in m.modules() for n, p in s.named_parameters(recurse=False)
                    if p.requires_grad]
         self.owners = {id(p): (s, n) for s, n, p in entries}
-        self.loras = [s for m in modules for s in m.modules() if isinstance(s, _OneNodeLoRA)]
+        # stitch.model.precision's one-node LoRA layers, known by their plain_adapter()
+        self.loras = [s for m in modules for s in m.modules() if callable(getattr(s, "plain_adapter", None))]
         self.watched = [*modules, *self.loras, *(lora.base_layer for lora in self.loras)]
-        unswitched = any(hasattr(s, "lora_A") and hasattr(s, "active_adapters") and not isinstance(s, _OneNodeLoRA)
+        unswitched = any(hasattr(s, "lora_A") and hasattr(s, "active_adapters") and s not in self.loras
                          for m in modules for s in m.modules())
         dense = all(type(p) is nn.Parameter and p.layout == torch.strided for p in self.params)
         self.capturable = dense and not unswitched and len(self.owners) == len(entries)  # no tied trainable one

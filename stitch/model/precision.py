@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stitch.model.graphs import static_block
+
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -83,8 +85,6 @@ class _OneNodeLoRA:
         if name is None:
             return super().forward(x, *args, **kwargs)
         if x.is_cuda:  # in a shape-static training step, one CUDA graph forward and one backward
-            from stitch.model.graphs import static_block
-
             return static_block(self, x, self.lora_product)
         return self.lora_product(x)
 
