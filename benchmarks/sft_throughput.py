@@ -438,7 +438,6 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
     from stitch.model import graphs
 
     with stock as lora_compute:
-        replays = graphs.STATS["replayed"]
         for step in range(args.warmup + args.steps):
             if step == args.warmup:
                 replays = graphs.STATS["replayed"]

@@ -235,7 +235,7 @@ class _FusedGatedDeltaNet:
         # one CUDA graph forward and one backward (static_block)
         projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         mixed, gate, beta, decay = static_block(
-            self.in_proj_qkv, hidden_states, lambda h: tuple(shared_input_projections(h, projections)), projections)
+            self, hidden_states, lambda h: tuple(shared_input_projections(h, projections)), projections)
         qkv = fla["conv"](mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation, starts)
         query, key, value = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         core, _ = fla["rule"](
@@ -249,7 +249,8 @@ class _FusedGatedDeltaNet:
                                  self.norm.weight, None, activation=self.norm.activation, eps=self.norm.variance_epsilon)
             return self.out_proj(normed.reshape(rows, width, -1))
 
-        return static_block(self.out_proj, (core, gate), gated_norm_and_out, (self.norm, self.out_proj))
+        # keyed on the norm: out_proj, a LoRA layer, keys its own graph where it is called alone
+        return static_block(self.norm, (core, gate), gated_norm_and_out, (self.norm, self.out_proj))
 
 
 FUSED_MIXINS = (_FusedRMSNorm, _FusedSwiGLU, _FusedGatedDeltaNet)

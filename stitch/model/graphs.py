@@ -128,13 +128,12 @@ class _Replay(torch.autograd.Function):
 
 
 class _BlockState:
-    __slots__ = ("graph", "last", "seen", "failed", "layout", "captures")
+    __slots__ = ("graph", "last", "seen", "layout", "captures")
 
     def __init__(self) -> None:
         self.graph: BlockGraph | None = None
         self.last: tuple | None = None
         self.seen = 0
-        self.failed = False
         self.layout: Layout | None = None
         self.captures = 0
 
@@ -244,11 +243,6 @@ def eligible(module: nn.Module, x: torch.Tensor) -> bool:
             and not (torch.distributed.is_available() and torch.distributed.is_initialized()))
 
 
-def signature(modules: nn.Module | Sequence[nn.Module], *xs: torch.Tensor) -> tuple | None:
-    """What a captured graph of a forward over ``modules`` on inputs ``xs`` depends on (``Layout.signature``)."""
-    return Layout((modules,) if isinstance(modules, nn.Module) else tuple(modules)).signature(xs)
-
-
 def static_block(module: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...], forward: Callable[..., Any],
                  modules: Sequence[nn.Module] | None = None) -> Any:
     """``forward(x)``, or ``forward(*x)`` for a tuple of tensors, returning a tensor or a tuple of tensors, through a
@@ -272,8 +266,6 @@ def _static_block(module: nn.Module, xs: tuple[torch.Tensor, ...], forward: Call
     state = _STATES.get(module)
     if state is None:
         state = _STATES[module] = _BlockState()
-    if state.failed:
-        return forward(*xs)
     modules = (module,) if modules is None else tuple(modules)
     if state.layout is None:
         state.layout = Layout(modules)
@@ -300,7 +292,7 @@ def _static_block(module: nn.Module, xs: tuple[torch.Tensor, ...], forward: Call
     except Exception as err:  # the run goes on eagerly; a failed capture can leave the allocator recording into its
         # pool, so no block of this process tries again
         global ENABLED
-        ENABLED, state.failed = False, True
+        ENABLED = False
         STATS["failed"] += 1
         log.warning("%s: CUDA graph capture failed; every block of this process runs eagerly from now on: %s",
                     type(module).__name__, err)

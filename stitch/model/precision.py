@@ -84,9 +84,7 @@ class _OneNodeLoRA:
         name = self.plain_adapter(args, kwargs)
         if name is None:
             return super().forward(x, *args, **kwargs)
-        if x.is_cuda:  # in a shape-static training step, one CUDA graph forward and one backward
-            return static_block(self, x, self.lora_product)
-        return self.lora_product(x)
+        return static_block(self, x, self.lora_product)  # a shape-static GPU training step: one CUDA graph each way
 
     def lora_product(self, x: torch.Tensor) -> torch.Tensor:
         """The plain adapter's ``LoRAProduct`` (``plain_adapter`` said this call is plain)."""
