@@ -116,6 +116,13 @@
 #   bash benchmarks/h200_issue14.sh graphs21c  # graphs21 after the capture fix (carry .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh graphs21d  # Qwen3.5-4B packed / packed_eager / baseline in one process (carry .whl
 #                                             # .whl-liger .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh graphs22   # shared gradient-in buffers, backward outputs copied out: GPU tests, then
+#                                             # dense 4B packed / packed_eager / baseline / llava / stock in one process
+#                                             # (carry .whl-liger .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh graphs22q  # Qwen3.5-4B and dense 4B packed and padded baseline in one process; the
+#                                             # autotuning results come back as triton_autotune.tar.xz (carry .whl
+#                                             # .whl-liger .whl-pydantic, and .triton-autotune where a call brought it)
+#   bash benchmarks/h200_issue14.sh graphs22n  # Nemotron-Nano-4B and dense 4B packed and padded baseline (same carry)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -154,6 +161,13 @@ use_code() {
 use_fla() {
   [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
   export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
+  # autotuning results an earlier call brought back (save_autotune), so fla's kernels are not tuned again
+  [ -f .triton-autotune/triton_autotune.tar.xz ] && mkdir -p ~/.triton/cache \
+    && tar xJf .triton-autotune/triton_autotune.tar.xz -C ~/.triton/cache
+}
+# the autotuning results in Triton's cache as $OUT/triton_autotune.tar.xz, for a later call to carry in .triton-autotune
+save_autotune() {
+  (cd ~/.triton/cache && find . -name '*.autotune.json' | tar cJf "$OUT/triton_autotune.tar.xz" -T -)
 }
 # the run JSONs in folder $1 as one file, $OUT/$2.json (a call returns at most 8 files)
 merge_json() {
@@ -906,6 +920,24 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     timeout $((285 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 10 --warmup 4 \
       --skip-parity --modes packed,packed_eager,baseline --tag _round21d --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
       | grep -E "(packed|packed_eager|baseline): |capture failed" | cut -c1-300
+    ;;
+  graphs22)  # round 22's graphs (one gradient-in buffer per shape shared by every block; a backward graph's outputs
+    # copied out after its replay, so the backward pool holds nothing between captures): the tiny GPU tests, then dense
+    # 4B's five modes in ONE process (the peak with graphs was 32.18 GiB); carry .whl-liger .whl-pydantic
+    timeout 100 python3 -m pytest -q -rs -p no:cacheprovider -k "gpu and not qwen35" tests/test_cuda_graphs.py \
+      tests/test_perf_lora_product.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    timeout $((560 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes dense4b --steps 10 --warmup 4 \
+      --skip-parity --modes packed,packed_eager,baseline,llava,stock --tag _round22 --out "$OUT" 2>&1 \
+      | tee "$OUT/sft.log" | grep -E "stock =|(packed|packed_eager|baseline|llava|stock): |capture failed" | cut -c1-300
+    ;;
+  graphs22q|graphs22n)  # a hybrid beside dense 4B in ONE process, packed (graphs) and padded baseline each: the hybrid's
+    # ratio to its own baseline and to dense from one run; carry .whl .whl-liger .whl-pydantic
+    use_fla
+    shape=qwen35_4b; [ "$1" = graphs22n ] && shape=nemotron4b
+    timeout $((585 - SECONDS)) python3 benchmarks/sft_throughput.py --shapes $shape,dense4b --steps 10 --warmup 4 \
+      --skip-parity --modes packed,baseline --tag _round22 --out "$OUT" 2>&1 | tee "$OUT/sft_$shape.log" \
+      | grep -E "dense /|(packed|baseline): |capture failed" | cut -c1-300
+    save_autotune
     ;;
   profile20)  # why a packed dense 4B step costs ~20 % more per token slot than a padded one (hybrids20: 56.6 against
     # 46.1 us, Qwen3.5 66.6 against 55.3): device time by kernel for both modes, against their wall time

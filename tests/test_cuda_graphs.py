@@ -119,7 +119,8 @@ def test_on_a_gpu_replayed_mlps_give_the_eager_losses_and_gradients_across_optim
     # captured on the second identical call, replayed from then on: per step 2 MLPs (their LoRA layers inside their
     # graphs) and 2 x 4 attention LoRA layers, 5 steps
     assert graphs.STATS["replayed"] - replayed == 10 * (6 - graphs.REPEATS + 1)
-    assert all(graphs._STATES[m].graph is not None for m in mlps(graphed))
+    first, second = (graphs._STATES[m].graph for m in mlps(graphed))
+    assert first.static_grad_outs[0] is second.static_grad_outs[0]  # one gradient-in buffer for blocks of one shape
     assert graphs.drop_graphs(graphed) == 10 and graphs.STATS["failed"] == 0
     KEPT.clear()
 
@@ -201,6 +202,20 @@ def test_on_a_gpu_a_packed_qwen35_step_replays_its_projections_and_mlps_with_the
     # layer's four LoRA projections; four steps
     assert graphs.STATS["replayed"] - replayed == 8 * 4 and graphs.STATS["failed"] == 0
     KEPT.clear()
+
+
+def test_a_backward_graphs_outputs_are_read_through_tensors_that_do_not_keep_their_memory():
+    """A backward graph's outputs stay in the shared pool only by address (graphs._unowned), so the next capture
+    reuses their memory; the same reading kept the memory allocated for every block (4 GiB on a dense 4B step)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    out = torch.arange(12.0).view(3, 4)[1:]
+    alias = graphs._unowned(out)
+    assert alias.data_ptr() == out.data_ptr() and alias.stride() == out.stride()
+    torch.testing.assert_close(alias, out, rtol=0, atol=0)
+    memory = StorageWeakRef(out.untyped_storage())
+    del out
+    assert memory.expired()  # freed though the alias lives
 
 
 def test_a_block_is_captured_only_with_room_for_its_graphs_buffers(monkeypatch):

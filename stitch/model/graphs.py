@@ -20,10 +20,12 @@ captured one, and a second forward while the first one's backward is still pendi
 activations: DPO's chosen and rejected passes before one backward).
 
 Memory: each block's forward graph has a private pool (it holds the activations its backward reads, as eager
-autograd does during a step); all backward graphs share one pool. That is safe in any order of capture and replay:
-a backward graph copies the gradients it receives into buffers outside the pool before it replays, and its own
-outputs are taken (cloned into ``.grad``, or read by the next autograd node) before another backward graph runs.
-``STITCH_CUDA_GRAPHS=0`` turns the whole mechanism off.
+autograd does during a step). The backward graphs hold nothing between steps: they share one pool, read the gradient
+they receive from one buffer per output shape that every block shares, and their outputs (the gradients for the
+block's inputs and parameters) are copied out as soon as the graph has replayed, so the pool holds no tensor after a
+capture and every backward graph reuses the same memory. That is safe in any order of capture and replay: a
+backward graph's gradient-in buffer is filled just before it replays, and its outputs are read just after, before
+anything else runs on the device. ``STITCH_CUDA_GRAPHS=0`` turns the whole mechanism off.
 """
 
 from __future__ import annotations
@@ -81,15 +83,18 @@ class BlockGraph:
             out = forward(*self.static_ins)
         self.tuple_out = isinstance(out, tuple)
         self.static_outs = _as_tuple(out)
-        self.static_grad_outs = tuple(torch.empty_like(o) for o in self.static_outs)
+        self.static_grad_outs = tuple(_grad_buffer(i, o) for i, o in enumerate(self.static_outs))
         self.backward_graph = torch.cuda.CUDAGraph()
         pool = _backward_pool()
         _LIVE.add(self)
         with torch.cuda.graph(self.backward_graph, pool=pool):
             # retain_graph: the forward graph's saved activations stay allocated in its pool, so no later capture
             # can place its own tensors where this block's replayed forward writes them
-            grads = iter(torch.autograd.grad(self.static_outs, wrt, self.static_grad_outs, retain_graph=True,
-                                             allow_unused=True))
+            grads = torch.autograd.grad(self.static_outs, wrt, self.static_grad_outs, retain_graph=True,
+                                        allow_unused=True)
+        # addresses only: the pool takes the outputs' memory back, for the next capture to reuse; a replay's outputs
+        # are copied out of it at once (_Replay.backward)
+        grads = iter([None if g is None else _unowned(g) for g in grads])
         self.input_grads = tuple(next(grads) if x.requires_grad else None for x in self.static_ins)
         self.param_grads = tuple(grads)
 
@@ -124,7 +129,7 @@ class _Replay(torch.autograd.Function):
             buffer.copy_(grad) if grad is not None else buffer.zero_()
         graph.backward_graph.replay()
         graph._pending = None
-        return (None, *graph.input_grads, *graph.param_grads)
+        return (None, *(None if g is None else g.clone() for g in (*graph.input_grads, *graph.param_grads)))
 
 
 class _BlockState:
@@ -181,6 +186,7 @@ def _side_stream() -> torch.cuda.Stream:
 
 
 _LIVE: weakref.WeakSet[BlockGraph] = weakref.WeakSet()  # the graphs whose backward uses the shared pool
+_GRAD_BUFFERS: dict[tuple, torch.Tensor] = {}
 
 
 def _backward_pool() -> Any:
@@ -189,6 +195,23 @@ def _backward_pool() -> Any:
     if not _POOL or not _LIVE:
         _POOL[:] = [torch.cuda.graph_pool_handle()]
     return _POOL[0]
+
+
+def _grad_buffer(index: int, out: torch.Tensor) -> torch.Tensor:
+    """The buffer a backward graph reads the gradient of its ``index``-th output from: one per index, shape, strides
+    and dtype, shared by every block (each backward fills it just before its replay)."""
+    key = (index, tuple(out.shape), out.stride(), out.dtype, out.device)
+    if key not in _GRAD_BUFFERS:
+        _GRAD_BUFFERS[key] = torch.empty_like(out)
+    return _GRAD_BUFFERS[key]
+
+
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s memory that does not keep it allocated (as torch's own CUDA graph trees read the outputs
+    of graphs in a shared pool): what a replay writes there is read right after it."""
+    storage = torch._C._construct_storage_from_data_pointer(t.untyped_storage().data_ptr(), t.device,
+                                                           t.untyped_storage().nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
 class Layout:
@@ -309,4 +332,6 @@ def drop_graphs(model: nn.Module) -> int:
     for m in model.modules():
         state = _STATES.pop(m, None)
         dropped += state is not None and state.graph is not None
+    if not _LIVE:
+        _GRAD_BUFFERS.clear()
     return dropped
