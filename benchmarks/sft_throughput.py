@@ -410,6 +410,9 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
     args = argparse.Namespace(**{**vars(args), "warmup": n_warm})
 
     host_s = []  # host time to build each batch and queue its copy (the GPU waits for it: steps are synced)
+    # each step's loss and gradient norm: the packed variants see the same packs (one seeded stream each) from the
+    # same weights (run_shape restores them), so these agree with packed's within bf16 (vs_packed_max_relative_diff)
+    losses, norms = [], []
 
     def one_step():
         t_host = time.perf_counter()
@@ -431,7 +434,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
             loss, n_labels = model.loss(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+        norms.append(torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0).detach())
         optimizer.step()
         return batch, group, loss, n_labels
 
@@ -445,6 +448,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
             batch, group, loss, n_labels = one_step()
             sync()
             dt = time.perf_counter() - t0
+            losses.append(float(loss.detach()))
             if step < args.warmup:
                 warm.append(round(dt, 3))
             else:
@@ -499,6 +503,8 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         "lora_compute": lora_compute,
         "warmup_step_s": warm,
         "step_s": [round(t, 4) for t in times],
+        "step_losses": [round(v, 6) for v in losses],
+        "step_grad_norms": [round(float(v), 6) for v in norms[:len(losses)]],
     }
     if profile is not None:
         result["profile"] = profile
@@ -802,7 +808,12 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
         info["packing_parity"] = packing_parity(model, samples, args.budget, device)
     log(json.dumps(info))
     modes = {}
+    start = [p.detach().clone() for g in groups for p in g["params"]]
     for mode in args.modes.split(","):
+        with torch.no_grad():  # every mode from the same weights and a fresh optimizer, as the first one
+            for p, value in zip((p for g in groups for p in g["params"]), start, strict=True):
+                p.copy_(value)
+        optimizer.state.clear()
         try:
             if mode == "stock":
                 modes[mode] = run_stock(model, optimizer, groups, args, info, device)
@@ -883,6 +894,13 @@ def summarize(info: dict, modes: dict) -> dict:
             "sample boundaries (no cu_seqlens reach the kernels). stitch ships 'cached_padded' here."
         )
     shipped_tps = modes.get(shipped, {}).get("tokens_per_s")
+    packed = modes.get("packed", {})
+    for mode in PACKED_VARIANTS:  # the same packs on the same weights: the largest relative step difference
+        other = modes.get(mode, {})
+        if packed.get("step_losses") and other.get("step_losses"):
+            out.setdefault("vs_packed_max_relative_diff", {})[mode] = {
+                key: max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(packed[key], other[key], strict=False))
+                for key in ("step_losses", "step_grad_norms")}
     for reference in ("baseline", "llava", "stock"):  # stitch against each reference run in this process
         ref = modes.get(reference, {}).get("tokens_per_s")
         if not ref:
@@ -964,7 +982,8 @@ def main() -> None:
         shipped_median[shape] = result["modes"].get(shipped, {}).get("tokens_per_s_median_step")
         log(f"{shape}: stitch ({shipped}) / stock = {result.get('ratio_stitch_as_shipped_vs_stock')}, "
             f"stitch / baseline = {result.get('ratio_stitch_as_shipped_vs_baseline')}, "
-            f"stitch / llava = {result.get('ratio_stitch_as_shipped_vs_llava')}")
+            f"stitch / llava = {result.get('ratio_stitch_as_shipped_vs_llava')}, "
+            f"largest step difference from packed = {result.get('vs_packed_max_relative_diff')}")
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if shipped_tps.get("dense4b") and len(shipped_tps) > 1:  # the hybrids against dense, from this one process
         dense = shipped_tps["dense4b"]
