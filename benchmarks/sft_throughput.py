@@ -299,7 +299,7 @@ def build_stitched(shape: str, args, host, device, lm=None, spec=None):
     lm = get_peft_model(lm, lora)
     vocab = cfg.vocab_size
     ids = {"start": vocab - 3, "placeholder": vocab - 2, "end": vocab - 1}
-    model = StitchedModel(lm, projector, ids["placeholder"]).to(device)
+    model = StitchedModel(lm, projector, ids["placeholder"], spec.cuda_graphs).to(device)
     if args.grad_ckpt:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.enable_input_require_grads()
@@ -318,6 +318,7 @@ def build_stitched(shape: str, args, host, device, lm=None, spec=None):
         "loss_path": "liger fused linear CE" if uses_liger(torch.empty(0, device=device)) else "chunked linear CE",
         "model_spec": spec_name,
         "supports_packing": spec.packs(),
+        "cuda_graphs": spec.cuda_graphs,  # ModelSpec.cuda_graphs: False keeps every block eager
         "recurrent_layers_path": kernel_path,
         "hidden_size": hidden,
         "num_layers": len(layer_kinds(cfg)),

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stitch.api import fla_conv, fla_seqlens, flatten_packed_rows, reference_conv, segments, static_block
+from stitch.api import fla_conv, fla_seqlens, flatten_packed_rows, reference_conv, segments
 
 FLA = "fla"
 REFERENCE = "reference"
@@ -78,27 +78,17 @@ def mamba2_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torc
     xbc = conv(xbc.contiguous(), mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation, cu_seqlens)
     if attention_mask is not None and attention_mask.dim() == 2:
         xbc = (xbc * attention_mask[:, :, None]).to(dtype)
+    x, b, c = xbc.split([mixer.intermediate_size, groups * state, groups * state], dim=-1)
     lo, hi = mixer.time_step_limit
-
-    def scan_inputs(xbc, dt, dt_bias, a_log):
-        x, b, c = xbc.split([mixer.intermediate_size, groups * state, groups * state], dim=-1)
-        dt = F.softplus(dt.float() + dt_bias.float()).clamp(min=lo, max=hi)  # [B, T, H]
-        g = dt * -torch.exp(a_log.float())  # log decay per head and step, <= 0
-        x = x.reshape(batch, seqlen, heads, head_dim)
-        b = b.reshape(batch, seqlen, groups, state).repeat_interleave(heads // groups, dim=2)
-        c = c.reshape(batch, seqlen, groups, state).repeat_interleave(heads // groups, dim=2)
-        return x, b, c, (x.float() * dt[..., None]).to(x.dtype), g
-
-    def gated_norm_and_out(y, x, gate, d):
-        y = y.float() + d.float()[:, None] * x.float()
-        return mixer.out_proj(mixer.norm(y.reshape(batch, seqlen, -1), gate).to(dtype))
-
-    # the elementwise work on either side of the scan (~35 launches forward, ~60 backward a layer) depends only on
-    # the shapes: in a shape-static training step each side is one CUDA graph forward and one backward
-    # (static_block; the mixer's own parameters travel as inputs, the norm and out_proj as the block's modules)
-    x, b, c, v, g = static_block(mixer, (xbc, dt, mixer.dt_bias, mixer.A_log), scan_inputs, ())
-    y = scan(c, b, v, g, cu_seqlens)
-    return static_block(mixer.norm, (y, x, gate, mixer.D), gated_norm_and_out, (mixer.norm, mixer.out_proj))
+    dt = F.softplus(dt.float() + mixer.dt_bias.float()).clamp(min=lo, max=hi)  # [B, T, H]
+    g = dt * -torch.exp(mixer.A_log.float())  # log decay per head and step, <= 0
+    x = x.reshape(batch, seqlen, heads, head_dim)
+    b = b.reshape(batch, seqlen, groups, state).repeat_interleave(heads // groups, dim=2)
+    c = c.reshape(batch, seqlen, groups, state).repeat_interleave(heads // groups, dim=2)
+    v = (x.float() * dt[..., None]).to(x.dtype)
+    y = scan(c, b, v, g, cu_seqlens).float() + mixer.D.float()[:, None] * x.float()
+    y = mixer.norm(y.reshape(batch, seqlen, -1), gate)
+    return mixer.out_proj(y.to(dtype))
 
 
 @functools.cache

@@ -97,6 +97,19 @@ def test_packed_batch_loss_equals_unpacked_loss_of_the_same_samples(prepared, tm
     assert torch.allclose(lp, lu, atol=1e-5, rtol=1e-5), (float(lp), float(lu))
 
 
+@pytest.mark.parametrize("model, graphed", [("qwen3.5-tiny", True), ("nemotron-nano-tiny", False)])
+def test_a_models_spec_decides_whether_its_lora_layers_may_run_as_cuda_graphs(prepared, tmp_path, model, graphed):
+    """ModelSpec.cuda_graphs reaches the built model: Nemotron-H's blocks stay eager (its packed GPU step ran slower
+    graphed), Qwen's may be captured."""
+    from stitch.model import graphs
+    from stitch.stages.session import StitchSession
+
+    session = StitchSession.open(load_recipe(write_recipe(tmp_path / "r.yaml", model=model)), prepared / "run")
+    built = session.binding.build_model(lora=LoraOptions(r=4))
+    loras = [m for m in built.modules() if hasattr(m, "lora_A")]  # and every other block the model has
+    assert loras and all((m in graphs._EAGER) is not graphed for m in built.modules())
+
+
 def test_gradient_audit_refuses_a_trainable_lm_weight(prepared, tmp_path):
     from stitch.stages.session import StitchSession
 

@@ -185,7 +185,7 @@ class ModelBinding:
                 bias="none",
             )
             lm = get_peft_model(lm, config)
-        model = StitchedModel(lm, projector, self.sentinel_ids.placeholder)
+        model = StitchedModel(lm, projector, self.sentinel_ids.placeholder, self.model_spec.cuda_graphs)
         if projector_from is not None:  # after StitchedModel gave a half-precision projector its fp32 master weights,
             # so a saved fp32 master loads exactly instead of rounded to the LM's dtype
             self.load_projector(model.projector, projector_from, hidden)

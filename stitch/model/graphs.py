@@ -25,7 +25,9 @@ they receive from one buffer per output shape that every block shares, and their
 block's inputs and parameters) are copied out as soon as the graph has replayed, so the pool holds no tensor after a
 capture and every backward graph reuses the same memory. That is safe in any order of capture and replay: a
 backward graph's gradient-in buffer is filled just before it replays, and its outputs are read just after, before
-anything else runs on the device. ``STITCH_CUDA_GRAPHS=0`` turns the whole mechanism off.
+anything else runs on the device. ``STITCH_CUDA_GRAPHS=0`` turns the whole mechanism off; ``keep_eager(model)`` turns it off for one model (a
+model plugin's ``ModelSpec.cuda_graphs=False``: Nemotron-H, whose packed 4B step ran ~5 % slower with its blocks
+graphed).
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ class _BlockState:
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, _BlockState] = weakref.WeakKeyDictionary()
+_EAGER: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # keep_eager's modules
 _DEPTH = [0]  # static_block calls under way on this (the training) thread
 _SIDE: list[torch.cuda.Stream] = []
 _POOL: list[Any] = []
@@ -275,7 +278,7 @@ def static_block(module: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...], 
     times. A replayed output lives in the graph's buffer until the block's next replay, and autograd's version
     checks do not see inside the graph: the caller reads it, never modifies it in place."""
     xs = x if isinstance(x, tuple) else (x,)
-    if _DEPTH[0] or not eligible(module, xs[0]):
+    if _DEPTH[0] or module in _EAGER or not eligible(module, xs[0]):
         return forward(*xs)
     _DEPTH[0] += 1  # a block inside this one (a LoRA layer in an MLP) runs as part of this one's graph or forward
     try:
@@ -323,6 +326,13 @@ def _static_block(module: nn.Module, xs: tuple[torch.Tensor, ...], forward: Call
     state.captures += 1
     STATS["captured"] += 1
     return state.graph(*xs)
+
+
+def keep_eager(model: nn.Module) -> None:
+    """Every block of ``model`` (as it is now: call it after its LoRA layers exist) runs its eager forward, never a
+    graph; for a model whose step the graphs' copies cost more than the launches they save."""
+    drop_graphs(model)
+    _EAGER.update(model.modules())
 
 
 def drop_graphs(model: nn.Module) -> int:

@@ -13,6 +13,7 @@ from stitch.data.packing import to_device
 from stitch.model import causal_lm
 from stitch.model.attention import packed_call, use_varlen_attention
 from stitch.model.cross_entropy import linear_cross_entropy
+from stitch.model.graphs import keep_eager
 from stitch.model.precision import HALF, lora_in_half_compute, projector_in_half_compute
 from stitch.model.scatter import scatter_soft_tokens
 from stitch.model.varlen import attach_host_copy, varlen_kwargs
@@ -41,7 +42,7 @@ class StitchedModel(nn.Module):
     bf16/fp16 LM the LoRA adapter and the projector compute in that dtype on fp32 master weights
     (``stitch.model.precision``)."""
 
-    def __init__(self, lm: nn.Module, projector: nn.Module, placeholder_id: int) -> None:
+    def __init__(self, lm: nn.Module, projector: nn.Module, placeholder_id: int, cuda_graphs: bool = True) -> None:
         super().__init__()
         self.lm = lm
         self.projector = projector
@@ -54,6 +55,8 @@ class StitchedModel(nn.Module):
         if lm_dtype in HALF:
             self.half_compute = {"lora_layers": lora_in_half_compute(lm), "projector": projector_in_half_compute(projector)}
         self._projector_input_dtype = lm_dtype if self.half_compute["projector"] else None
+        if not cuda_graphs:  # the model's spec says its blocks stay eager (ModelSpec.cuda_graphs)
+            keep_eager(self)
 
     @property
     def device(self) -> torch.device:
