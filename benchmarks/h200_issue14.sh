@@ -121,7 +121,7 @@
 #                                             # (carry .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh graphs22q  # Qwen3.5-4B and dense 4B packed and padded baseline in one process; the
 #                                             # autotuning results come back as triton_autotune.tar.xz (carry .whl
-#                                             # .whl-liger .whl-pydantic, and .triton-autotune where a call brought it)
+#                                             # .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh graphs22n  # Nemotron-Nano-4B and dense 4B packed and padded baseline (same carry)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
@@ -161,11 +161,12 @@ use_code() {
 use_fla() {
   [ -d /tmp/fla/fla ] || bash benchmarks/install_kernels.sh /tmp/fla
   export PYTHONPATH=/tmp/site:/tmp/fla:. TRITON_CACHE_AUTOTUNING=1
-  # autotuning results an earlier call brought back (save_autotune), so fla's kernels are not tuned again
-  [ -f .triton-autotune/triton_autotune.tar.xz ] && mkdir -p ~/.triton/cache \
-    && tar xJf .triton-autotune/triton_autotune.tar.xz -C ~/.triton/cache
+  # the autotuning results earlier calls brought back (save_autotune; round 22's: Qwen3.5-4B, Nemotron-Nano-4B and
+  # dense 4B shapes on the H200), so a fresh machine does not spend ~190 s a shape set tuning fla's kernels again
+  mkdir -p ~/.triton/cache && tar xJf benchmarks/triton_autotune_h200.tar.xz -C ~/.triton/cache
 }
-# the autotuning results in Triton's cache as $OUT/triton_autotune.tar.xz, for a later call to carry in .triton-autotune
+# the autotuning results in Triton's cache as $OUT/triton_autotune.tar.xz (merge them into
+# benchmarks/triton_autotune_h200.tar.xz)
 save_autotune() {
   (cd ~/.triton/cache && find . -name '*.autotune.json' | tar cJf "$OUT/triton_autotune.tar.xz" -T -)
 }
