@@ -123,6 +123,11 @@
 #                                             # autotuning results come back as triton_autotune.tar.xz (carry .whl
 #                                             # .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh graphs22n  # Nemotron-Nano-4B and dense 4B packed and padded baseline (same carry)
+#   bash benchmarks/h200_issue14.sh encode23   # stitch_vit (the tower's attention as a Triton kernel): its GPU tests and a
+#                                             # mutation, the attention alone against sdpa's kernels, encode only
+#                                             # against the sdpa tower in one process, twice (carry .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh gputests23 # every GPU test of the suite at the round's code, fla from .whl (carry
+#                                             # .whl .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -1042,6 +1047,34 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       --out "$OUT" 2>&1 | tee "$OUT/qwen35.log" | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-300
     timeout 240 python3 benchmarks/sft_throughput.py --shapes nemotron4b --steps 3 --warmup 1 --tag _fla_all \
       --out "$OUT" 2>&1 | tee "$OUT/nemotron.log" | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-300
+    ;;
+  encode23)  # round 23: stitch_vit, CLIP's attention as one Triton kernel for its 50-token rows (the image's Triton)
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vit_attention.py tests/test_prepare_fast.py \
+      -k "gpu or asked" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    cp stitch_clip/_vit_attention_kernel.py /tmp/kernel.keep  # the padded keys no longer masked: the tests must fail
+    sed -i 's/scores = tl.where(valid\[None, :\], scores, float("-inf"))/pass/' stitch_clip/_vit_attention_kernel.py
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_vit_attention.py -k gpu 2>&1 \
+      | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
+    cp /tmp/kernel.keep stitch_clip/_vit_attention_kernel.py
+    timeout 150 python3 benchmarks/vit_attention.py --name vit_attention_round23 --out "$OUT" 2>&1 \
+      | tee "$OUT/vit_attention.log" | grep -E "b2048|Error" | cut -c1-200
+    best=$(python3 -c "import json; r = json.load(open('$OUT/vit_attention_round23.json'))['rows']['2048']; \
+      print(min((v['ms'], k) for k, v in r.items() if k.startswith('stitch_vit') and 'ms' in v)[1][11:])")
+    for order in a b; do
+      variants=stitch_compile_sdpa,stitch_compile,stitch_compile_$best,stitch_eager_sdpa,stitch_eager
+      [ $order = b ] && variants=stitch_compile,stitch_compile_sdpa,stitch_compile_$best
+      [ $SECONDS -lt 420 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare \
+        --batches 2048 --compile-batches 2048 --images 2048 --variants $variants --profile-encode \
+        --name prepare_stitch_round23_encode_$order --out "$OUT" 2>&1 | tee "$OUT/encode_$order.log" \
+        | grep -E "^encode|Error" | cut -c1-300
+    done
+    ;;
+  gputests23)  # every GPU test at the round's code (the tiny Qwen3.5 fla test among them), fla from the .whl carry
+    use_fla
+    timeout 560 python3 -m pytest -q -rs -p no:cacheprovider -k "gpu or cuda or asked" tests/test_cuda_graphs.py \
+      tests/test_perf_lora_product.py tests/test_perf_fused_kernels.py tests/test_fast_paths.py tests/test_optimizer.py \
+      tests/test_shared_input_lora.py tests/test_decode_static.py tests/test_vit_attention.py tests/test_prepare_fast.py \
+      2>&1 | tee "$OUT/gpu_tests_all.log" | tail -15 | cut -c1-300
     ;;
 esac
 ls -la "$OUT"

@@ -37,6 +37,7 @@ import gc
 import io
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -502,11 +503,17 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 "stitch_compile_cudnn": ("default", True, {"sdpa": "CUDNN_ATTENTION"}),
                 "stitch_compile_math": ("default", True, {"sdpa": "MATH"}),
                 "stitch_compile_eager_attn": ("default", True, {"attn": "eager"}),
+                # the tower before stitch_vit (round 23): transformers' sdpa, torch's kernel pick, everything else alike
+                "stitch_eager_sdpa": (None, True, {"attn": "sdpa"}),
+                "stitch_compile_sdpa": ("default", True, {"attn": "sdpa"}),
                 "stitch_compile_chunk2048": ("default", True, {"chunk": 2048}),
                 "stitch_compile_qkv": ("default", True, {"qkv": True}),
                 "stitch_compile_qkv_flash": ("default", True, {"qkv": True, "sdpa": "FLASH_ATTENTION"}),
                 "stitch_compile_qkv_efficient": ("default", True, {"qkv": True, "sdpa": "EFFICIENT_ATTENTION"})}
     chosen = args.variants.split(",")
+    for name in chosen:  # stitch_compile_h<H>_w<W>: stitch_vit launched with H heads and W warps a program
+        if (launch := re.fullmatch(r"stitch_compile_h(\d+)_w(\d+)", name)):
+            variants[name] = ("default", True, {"launch": {"heads": int(launch[1]), "num_warps": int(launch[2])}})
     for batch in args.batches:
         row: dict = {}
         ips, warm = timed(lambda b: stock_run(b), batch)
@@ -526,6 +533,10 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 encoder.model.set_attn_implementation(options["attn"])
             if options.get("qkv"):
                 attention_as_one_qkv_gemm(encoder.model)
+            from stitch_clip import attention
+
+            shipped_launch = dict(attention.LAUNCH)
+            attention.LAUNCH.update(options.get("launch", {}))  # read at each call, also inside a compiled tower
             if mode == "channels_last":
                 encoder.model = encoder.model.to(memory_format=torch.channels_last)
             elif mode is not None:  # as ClipImageEncoder.compile does, with the mode
@@ -556,6 +567,7 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                     row[name]["profile"] = profile_once(lambda b=batch: encode(b), top=16)
             except Exception as exc:  # a variant that does not build is reported, the others still run
                 row[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            attention.LAUNCH.update(shipped_launch)
             del encoder
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
         base = row["stock_transformers"]["images_per_s"]
@@ -679,7 +691,7 @@ def main() -> None:
     ap.add_argument("--variants", default="stitch_eager,stitch_eager_serial,stitch_compile,stitch_compile_serial",
                     help="also: stitch_reduce_overhead, stitch_channels_last, stitch_max_autotune (minutes), "
                     "stitch_{eager,compile}_prev (--prev-encoder), stitch_compile_{flash,efficient,cudnn,math} (sdpa "
-                    "restricted to one backend), stitch_compile_eager_attn, stitch_compile_chunk2048, stitch_compile_qkv[_flash,_efficient] (q, k, v as one GEMM)")
+                    "restricted to one backend), stitch_compile_eager_attn, stitch_{eager,compile}_sdpa (the tower before stitch_vit), stitch_compile_h<H>_w<W> (stitch_vit launched so), stitch_compile_chunk2048, stitch_compile_qkv[_flash,_efficient] (q, k, v as one GEMM)")
     ap.add_argument("--compile-batches", default="2048", help="batches at which compiled variants run (each "
                                                                 "compile costs tens of seconds)")
     ap.add_argument("--iters", type=int, default=20)

@@ -641,9 +641,12 @@ def load_clip(source: ModelSource, device: str | torch.device = "cpu", dtype: to
               feature_width: int = FEATURE_WIDTH):
     from transformers import CLIPImageProcessor, CLIPVisionModel
 
+    from stitch_clip.attention import register
+
     kwargs = source.pretrained_kwargs()
-    # sdpa: the same features as eager attention (tests/test_prepare_fast.py), flash kernels on the GPU
-    model = CLIPVisionModel.from_pretrained(**kwargs, use_safetensors=True, attn_implementation="sdpa")
+    # stitch_vit: a Triton kernel for the tower's 50-token rows on a GPU in half precision, transformers' sdpa
+    # elsewhere; both give eager attention's features (tests/test_prepare_fast.py, tests/test_vit_attention.py)
+    model = CLIPVisionModel.from_pretrained(**kwargs, use_safetensors=True, attn_implementation=register())
     processor = CLIPImageProcessor.from_pretrained(**kwargs)
     return ClipImageEncoder(model, processor, torch.device(device), dtype, feature_width)
 
