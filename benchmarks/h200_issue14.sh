@@ -126,6 +126,8 @@
 #   bash benchmarks/h200_issue14.sh encode23   # stitch_vit (the tower's attention as a Triton kernel): its GPU tests and a
 #                                             # mutation, the attention alone against sdpa's kernels, encode only
 #                                             # against the sdpa tower in one process, twice (carry .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh encode23b  # two compute streams, one q/k/v GEMM, CUDA graphs, with stitch_vit;
+#                                             # power and clocks (carry .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh gputests23 # every GPU test of the suite at the round's code, fla from .whl (carry
 #                                             # .whl .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
@@ -1068,6 +1070,28 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
         --name prepare_stitch_round23_encode_$order --out "$OUT" 2>&1 | tee "$OUT/encode_$order.log" \
         | grep -E "^encode|Error" | cut -c1-300
     done
+    ;;
+  encode23b)  # chunks on two compute streams (one chunk's memory-bound kernels beside the other's GEMMs), q/k/v as one
+    # GEMM, CUDA graphs, each with stitch_vit; the GPU test, and it again with a stream no longer waiting for its copy;
+    # the GPU's power and clocks (nvidia-smi dmon) through the encode runs
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k gpu 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
+    cp stitch_clip/encoder.py /tmp/encoder.py.keep
+    sed -i '/stream.wait_stream(main)  # the chunk/d' stitch_clip/encoder.py
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prepare_fast.py -k gpu 2>&1 \
+      | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
+    cp /tmp/encoder.py.keep stitch_clip/encoder.py
+    nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.log" 2>&1 &
+    for order in a b; do
+      variants=stitch_compile,stitch_compile_2s,stitch_compile_chunk512,stitch_compile_2s512,stitch_compile_qkv
+      variants=$variants,stitch_reduce_overhead,stitch_reduce_overhead_2s512,stitch_compile_sdpa
+      [ $order = b ] && variants=$(echo $variants | tr , '\n' | tac | paste -sd,)
+      [ $SECONDS -lt 400 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare \
+        --batches 2048 --compile-batches 2048 --images 2048 --variants $variants --profile-encode \
+        --name prepare_stitch_round23b_encode_$order --out "$OUT" 2>&1 | tee "$OUT/encode_$order.log" \
+        | grep -E "^encode|Error" | cut -c1-300
+    done
+    kill %1
     ;;
   gputests23)  # every GPU test at the round's code (the tiny Qwen3.5 fla test among them), fla from the .whl carry
     use_fla

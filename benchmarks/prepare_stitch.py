@@ -507,6 +507,11 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 "stitch_eager_sdpa": (None, True, {"attn": "sdpa"}),
                 "stitch_compile_sdpa": ("default", True, {"attn": "sdpa"}),
                 "stitch_compile_chunk2048": ("default", True, {"chunk": 2048}),
+                "stitch_compile_chunk512": ("default", True, {"chunk": 512}),
+                # a call's chunks encoded on two streams in turn (ClipImageEncoder.compute_streams)
+                "stitch_compile_2s": ("default", True, {"streams": 2}),
+                "stitch_compile_2s512": ("default", True, {"streams": 2, "chunk": 512}),
+                "stitch_reduce_overhead_2s512": ("reduce-overhead", True, {"streams": 2, "chunk": 512}),
                 "stitch_compile_qkv": ("default", True, {"qkv": True}),
                 "stitch_compile_qkv_flash": ("default", True, {"qkv": True, "sdpa": "FLASH_ATTENTION"}),
                 "stitch_compile_qkv_efficient": ("default", True, {"qkv": True, "sdpa": "EFFICIENT_ATTENTION"})}
@@ -529,6 +534,7 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 encoder.pipeline_chunk = None
             if "chunk" in options:
                 encoder.pipeline_chunk = options["chunk"]
+            encoder.compute_streams = options.get("streams", encoder.compute_streams)
             if "attn" in options:
                 encoder.model.set_attn_implementation(options["attn"])
             if options.get("qkv"):
@@ -583,8 +589,9 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
 class QkvAttention(torch.nn.Module):
     """CLIP's attention with its q, k and v projections as one GEMM (``attention_as_one_qkv_gemm`` switches a
     loaded ``CLIPAttention`` to it in place; the tower is frozen, so the three weights are concatenated once), then
-    sdpa on strided views of the product. The ``stitch_compile_qkv`` variants; not shipped: on the H200 cuBLAS ran
-    the fused [51,200 x 768] x [768 x 2,304] GEMM slower than the three it replaces (prepare12b, BENCHMARKS §0k)."""
+    the tower's attention implementation (stitch_vit or sdpa) on strided views of the product. The
+    ``stitch_compile_qkv`` variants; not shipped: on the H200 cuBLAS ran the fused [51,200 x 768] x [768 x 2,304]
+    GEMM slower than the three it replaces (prepare12b, BENCHMARKS §0k)."""
 
     num_heads: int
     head_dim: int
@@ -594,10 +601,13 @@ class QkvAttention(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
         b, s, _ = hidden_states.shape
         q, k, v = self.qkv(hidden_states).view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scale)
-        return self.out_proj(out.transpose(1, 2).reshape(b, s, -1)), None
+        attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]  # stitch_vit or sdpa, as the tower's
+        out, _ = attend(self, q, k, v, attention_mask, scaling=self.scale)
+        return self.out_proj(out.reshape(b, s, -1)), None
 
 
 def attention_as_one_qkv_gemm(model: Any) -> int:
