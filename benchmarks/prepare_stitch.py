@@ -508,7 +508,8 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 "stitch_compile_sdpa": ("default", True, {"attn": "sdpa"}),
                 "stitch_compile_chunk2048": ("default", True, {"chunk": 2048}),
                 "stitch_compile_chunk512": ("default", True, {"chunk": 512}),
-                # a call's chunks encoded on two streams in turn (ClipImageEncoder.compute_streams)
+                # a call's chunks encoded on two streams in turn (ClipImageEncoder.compute_streams at 2a2dcfb: +1.5-2 %
+                # on a power-throttled H200, not shipped; BENCHMARKS §0v)
                 "stitch_compile_2s": ("default", True, {"streams": 2}),
                 "stitch_compile_2s512": ("default", True, {"streams": 2, "chunk": 512}),
                 "stitch_reduce_overhead_2s512": ("reduce-overhead", True, {"streams": 2, "chunk": 512}),
@@ -534,7 +535,10 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 encoder.pipeline_chunk = None
             if "chunk" in options:
                 encoder.pipeline_chunk = options["chunk"]
-            encoder.compute_streams = options.get("streams", encoder.compute_streams)
+            if "streams" in options and not hasattr(encoder, "compute_streams"):
+                raise RuntimeError("this encoder has no compute_streams (git checkout 2a2dcfb -- stitch_clip/encoder.py)")
+            if "streams" in options:
+                encoder.compute_streams = options["streams"]
             if "attn" in options:
                 encoder.model.set_attn_implementation(options["attn"])
             if options.get("qkv"):

@@ -521,9 +521,6 @@ class ClipImageEncoder:
     stream the copies and the tower took turns; 1,024 images are 154 MB of uint8)."""
 
     pipeline_chunk: int | None = 1024  # images per copied chunk; None: one copy on the tower's stream, then the tower
-    # streams a call's chunks are encoded on, in turn: with two, one chunk's memory-bound kernels (GELU, LayerNorm,
-    # attention) can run beside the other's GEMMs
-    compute_streams: int = 1
 
     def __init__(self, model: Any, processor: Any, device: torch.device, dtype: torch.dtype,
                  feature_width: int = FEATURE_WIDTH) -> None:
@@ -540,7 +537,6 @@ class ClipImageEncoder:
         self._tower = self._patches
         self.compiled_batch: int | None = None
         self._copy_stream: Any = None
-        self._streams: list[Any] = []
 
     def _patches(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 pixels on the device (normalised here: inside a compiled tower the rescale, normalisation, cast
@@ -585,21 +581,9 @@ class ClipImageEncoder:
                 out = None if len(chunks) == 1 else torch.empty(
                     (len(items), TOKENS_PER_ITEM, self.feature_width), dtype=self.dtype, device=self.device)
                 at = 0
-                streams = self._compute_streams() if len(chunks) > 1 else []
-                main = torch.cuda.current_stream(self.device)
-                for index, on_device in enumerate(self._copied_ahead(chunks)):
-                    target = None if out is None else out[at : at + len(on_device)]
-                    if not streams:
-                        features = self._run(on_device, target)
-                    else:
-                        stream = streams[index % len(streams)]
-                        stream.wait_stream(main)  # the chunk's copy, which the main stream waited for
-                        on_device.record_stream(stream)
-                        with torch.cuda.stream(stream):
-                            features = self._run(on_device, target)
+                for on_device in self._copied_ahead(chunks):
+                    features = self._run(on_device, None if out is None else out[at : at + len(on_device)])
                     at += len(on_device)
-                for stream in streams:
-                    main.wait_stream(stream)
                 patches = features if out is None else out
         else:
             patches = self._run(self.pixels(items).to(self.device, self.dtype))
@@ -609,14 +593,6 @@ class ClipImageEncoder:
                 f"({TOKENS_PER_ITEM}, {self.feature_width}): use a ViT-B/32-shaped tower at 224 px"
             )
         return patches
-
-    def _compute_streams(self) -> list[Any]:
-        """The streams chunks are encoded on (none for one: the caller's stream), made once."""
-        if self.compute_streams < 2:
-            return []
-        if len(self._streams) != self.compute_streams:
-            self._streams = [torch.cuda.Stream(self.device) for _ in range(self.compute_streams)]
-        return self._streams
 
     def _copied_ahead(self, chunks: tuple[torch.Tensor, ...]) -> Iterator[torch.Tensor]:
         """Each host chunk on the encoder's GPU, in order: the next chunk's copy is queued on a side stream before
