@@ -13,6 +13,7 @@ dot does not take, no Triton) the call is transformers' own sdpa, unchanged.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 from typing import Any
 
@@ -25,13 +26,13 @@ MAX_TOKENS = 128  # one program holds a head's [tokens x tokens] scores in regis
 LAUNCH = {"heads": 1, "num_warps": 4}
 
 
-@functools.cache
+# looked up once at import, not in ``kernel_usable``: a compiled tower traces that function, and dynamo warns about
+# (and traces through) a cached function
+TRITON = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return TRITON
 
 
 def kernel_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
