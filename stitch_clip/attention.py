@@ -37,8 +37,9 @@ def triton_available() -> bool:
 
 def kernel_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                   dropout: float) -> bool:
-    """Whether ``vit_attention`` runs this call: CUDA (or Triton's interpreter), half precision, no mask, no
-    dropout, equal query/key/value shapes, rows of at most ``MAX_TOKENS``, a head width of 16 to 128 (a power of 2)."""
+    """Whether ``vit_attention`` runs this call: CUDA tensors in half precision, no mask, no dropout, equal
+    query/key/value shapes, rows of at most ``MAX_TOKENS``, a head width of 16 to 128 (a power of 2), Triton
+    installed. (The tests call ``vit_attention`` itself on CPU tensors under Triton's interpreter.)"""
     b, h, s, d = query.shape
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and attention_mask is None
             and dropout == 0.0 and key.shape == value.shape == query.shape and s <= MAX_TOKENS
