@@ -200,15 +200,22 @@ compare_codes() {
   use_code new
   merge_json "/tmp/$name" "prepare_stitch_$name"
 }
+# GPU tests (pytest -k "$3", then the test files), then again with file $1 changed by sed expression $2 (they must
+# fail); the file is restored after. Logs: gpu_tests.log, gpu_tests_mutated.log
+tests_and_mutation() {
+  local file=$1 edit=$2 select=$3
+  shift 3
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -k "$select" "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "passed|failed|Error" | cut -c1-400
+  cp "$file" /tmp/mutated.keep
+  sed -i "$edit" "$file"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -k "$select" "$@" 2>&1 | tee "$OUT/gpu_tests_mutated.log" \
+    | grep -E "passed|failed" | cut -c1-400
+  cp /tmp/mutated.keep "$file"
+}
 # the encoder's side-stream GPU test, then again with the tower no longer waiting for its chunk's copy (must fail)
 side_stream_test_and_mutation() {
-  timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
-    | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
-  cp stitch_clip/encoder.py /tmp/encoder.py.keep
-  sed -i '/compute.wait_stream(side)/d' stitch_clip/encoder.py
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prepare_fast.py -k on_a_gpu 2>&1 \
-    | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
-  cp /tmp/encoder.py.keep stitch_clip/encoder.py
+  tests_and_mutation stitch_clip/encoder.py '/compute.wait_stream(side)/d' on_a_gpu tests/test_prepare_fast.py
 }
 # stitch prepare (prepare only) on 16,384 JPEGs with torch's resize and PIL's, then 65,536 with torch's; results named
 # prepare_stitch_<tag>_<images>_<resize>
@@ -1051,13 +1058,10 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       --out "$OUT" 2>&1 | tee "$OUT/nemotron.log" | grep -E "stock =|tokens_per_s\": [0-9]" | cut -c1-300
     ;;
   encode23)  # round 23: stitch_vit, CLIP's attention as one Triton kernel for its 50-token rows (the image's Triton)
-    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vit_attention.py tests/test_prepare_fast.py \
-      -k "gpu or asked" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
-    cp stitch_clip/_vit_attention_kernel.py /tmp/kernel.keep  # the padded keys no longer masked: the tests must fail
-    sed -i 's/scores = tl.where(valid\[None, :\], scores, float("-inf"))/pass/' stitch_clip/_vit_attention_kernel.py
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_vit_attention.py -k gpu 2>&1 \
-      | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
-    cp /tmp/kernel.keep stitch_clip/_vit_attention_kernel.py
+    # mutated: the padded keys no longer masked
+    tests_and_mutation stitch_clip/_vit_attention_kernel.py \
+      's/scores = tl.where(valid\[None, :\], scores, float("-inf"))/pass/' "gpu or asked" tests/test_vit_attention.py \
+      tests/test_prepare_fast.py
     timeout 150 python3 benchmarks/vit_attention.py --name vit_attention_round23 --out "$OUT" 2>&1 \
       | tee "$OUT/vit_attention.log" | grep -E "b2048|Error" | cut -c1-200
     best=$(python3 -c "import json; r = json.load(open('$OUT/vit_attention_round23.json'))['rows']['2048']; \
@@ -1074,13 +1078,7 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
   encode23b)  # chunks on two compute streams (one chunk's memory-bound kernels beside the other's GEMMs), q/k/v as one
     # GEMM, CUDA graphs, each with stitch_vit; the GPU test, and it again with a stream no longer waiting for its copy;
     # the GPU's power and clocks (nvidia-smi dmon) through the encode runs
-    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepare_fast.py -k gpu 2>&1 \
-      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error" | cut -c1-400
-    cp stitch_clip/encoder.py /tmp/encoder.py.keep
-    sed -i '/stream.wait_stream(main)  # the chunk/d' stitch_clip/encoder.py
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_prepare_fast.py -k gpu 2>&1 \
-      | tee "$OUT/gpu_tests_mutated.log" | grep -E "passed|failed" | cut -c1-400
-    cp /tmp/encoder.py.keep stitch_clip/encoder.py
+    tests_and_mutation stitch_clip/encoder.py '/stream.wait_stream(main)  # the chunk/d' gpu tests/test_prepare_fast.py
     nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.log" 2>&1 &
     for order in a b; do
       variants=stitch_compile,stitch_compile_2s,stitch_compile_chunk512,stitch_compile_2s512,stitch_compile_qkv

@@ -177,6 +177,11 @@ def count_attention_layers(cfg) -> int:
     return sum(1 for k in layer_kinds(cfg) if k in ("full_attention", "attention"))
 
 
+def trained(groups: list[dict]) -> list[torch.nn.Parameter]:
+    """Every parameter the optimizer's groups train, in group order."""
+    return [p for g in groups for p in g["params"]]
+
+
 def matmul_params(lm) -> int:
     """N for 6*N*tokens: every parameter except the input embedding table, the LM head counted once."""
     total = sum(p.numel() for p in lm.parameters())
@@ -435,7 +440,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
             loss, n_labels = model.loss(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0).detach())
+        norms.append(torch.nn.utils.clip_grad_norm_(trained(groups), 1.0).detach())
         optimizer.step()
         return batch, group, loss, n_labels
 
@@ -568,7 +573,7 @@ def run_stock(model, optimizer, groups, args, info, device) -> dict:
         loss = lm(inputs_embeds=embeds, labels=ids, use_cache=False).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+        torch.nn.utils.clip_grad_norm_(trained(groups), 1.0)
         optimizer.step()
         return loss
 
@@ -809,10 +814,10 @@ def run_shape(shape: str, args, host, device, save=None) -> dict:
         info["packing_parity"] = packing_parity(model, samples, args.budget, device)
     log(json.dumps(info))
     modes = {}
-    start = [p.detach().clone() for g in groups for p in g["params"]]
+    start = [p.detach().clone() for p in trained(groups)]
     for mode in args.modes.split(","):
         with torch.no_grad():  # every mode from the same weights and a fresh optimizer, as the first one
-            for p, value in zip((p for g in groups for p in g["params"]), start, strict=True):
+            for p, value in zip(trained(groups), start, strict=True):
                 p.copy_(value)
         optimizer.state.clear()
         try:

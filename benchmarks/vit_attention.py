@@ -57,7 +57,8 @@ def main() -> None:
 
         candidates = {"sdpa_pick": sdpa}
         for name in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "FLASH_ATTENTION"):
-            candidates[f"sdpa_{name.split('_')[0].lower()}"] = lambda a, b, c, n=name: sdpa(a, b, c, getattr(backends, n))
+            backend = getattr(backends, name)
+            candidates[f"sdpa_{name.split('_')[0].lower()}"] = lambda a, b, c, k=backend: sdpa(a, b, c, k)
         launches = list(itertools.product([int(h) for h in args.heads.split(",")],
                                           [int(w) for w in args.warps.split(",")]))
         for h, w in launches:
