@@ -128,6 +128,8 @@
 #                                             # against the sdpa tower in one process, twice (carry .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh encode23b  # two compute streams, one q/k/v GEMM, CUDA graphs, with stitch_vit;
 #                                             # power and clocks (carry .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh autotune23 # Qwen3.5-4B's first packed step on a fresh machine with the carried
+#                                             # autotuning results (carry .whl .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh gputests23 # every GPU test of the suite at the round's code, fla from .whl (carry
 #                                             # .whl .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
@@ -1090,6 +1092,15 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
         | grep -E "^encode|Error" | cut -c1-300
     done
     kill %1
+    ;;
+  autotune23)  # whether benchmarks/triton_autotune_h200.tar.xz spares a fresh machine fla's autotuning: Qwen3.5-4B's
+    # first packed step (177 s in graphs22q, which tuned) on a machine that has not run it
+    use_fla
+    timeout 400 python3 benchmarks/sft_throughput.py --shapes qwen35_4b --steps 3 --warmup 2 --skip-parity \
+      --modes packed --tag _round23_autotune --out "$OUT" 2>&1 | tee "$OUT/sft_autotune.log" \
+      | grep -E "packed: |warmup|Error" | cut -c1-300
+    python3 -c "import json, sys; print('warmup_step_s', json.load(open(sys.argv[1]))['modes']['packed']['warmup_step_s'])" \
+      "$OUT/sft_qwen35_4b_round23_autotune.json"
     ;;
   gputests23)  # every GPU test at the round's code (the tiny Qwen3.5 fla test among them), fla from the .whl carry
     use_fla
