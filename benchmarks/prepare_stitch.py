@@ -535,9 +535,10 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 encoder.pipeline_chunk = None
             if "chunk" in options:
                 encoder.pipeline_chunk = options["chunk"]
-            if "streams" in options and not hasattr(encoder, "compute_streams"):
-                raise RuntimeError("this encoder has no compute_streams (git checkout 2a2dcfb -- stitch_clip/encoder.py)")
             if "streams" in options:
+                if not hasattr(encoder, "compute_streams"):
+                    raise RuntimeError("this encoder has no compute_streams (git checkout 2a2dcfb -- "
+                                       "stitch_clip/encoder.py)")
                 encoder.compute_streams = options["streams"]
             if "attn" in options:
                 encoder.model.set_attn_implementation(options["attn"])

@@ -24,15 +24,9 @@ MAX_TOKENS = 128  # one program holds a head's [tokens x tokens] scores in regis
 # heads per program and warps per program: fixed (not autotuned) so every run of every batch size launches the same
 # kernel; benchmarks/vit_attention.py times the alternatives
 LAUNCH = {"heads": 1, "num_warps": 4}
-
-
 # looked up once at import, not in ``kernel_usable``: a compiled tower traces that function, and dynamo warns about
 # (and traces through) a cached function
 TRITON = importlib.util.find_spec("triton") is not None
-
-
-def triton_available() -> bool:
-    return TRITON
 
 
 def kernel_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -40,16 +34,18 @@ def kernel_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
     """Whether ``vit_attention`` runs this call: CUDA tensors in half precision, no mask, no dropout, equal
     query/key/value shapes, rows of at most ``MAX_TOKENS``, a head width of 16 to 128 (a power of 2), Triton
     installed. (The tests call ``vit_attention`` itself on CPU tensors under Triton's interpreter.)"""
-    b, h, s, d = query.shape
+    *_, s, d = query.shape
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and attention_mask is None
             and dropout == 0.0 and key.shape == value.shape == query.shape and s <= MAX_TOKENS
-            and d in (16, 32, 64, 128) and key.dtype == value.dtype == query.dtype and triton_available())
+            and d in (16, 32, 64, 128) and key.dtype == value.dtype == query.dtype and TRITON)
 
 
 @torch.library.custom_op("stitch_clip::vit_attention", mutates_args=())
 def vit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q kᵀ · scale) v over whole rows: [batch, heads, tokens, dim] in (any strides with a unit last
     stride: the projections' views), [batch, tokens, heads, dim] out, contiguous."""
+    import triton
+
     from stitch_clip._vit_attention_kernel import vit_attention_kernel
 
     b, h, s, d = query.shape
@@ -64,7 +60,7 @@ def vit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
             value.stride(0), value.stride(1), value.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             h, s, scale * math.log2(math.e),
-            BLOCK=max(16, triton_next_power_of_2(s)), DIM=d, HEADS=heads, num_warps=LAUNCH["num_warps"],
+            BLOCK=max(16, triton.next_power_of_2(s)), DIM=d, HEADS=heads, num_warps=LAUNCH["num_warps"],
         )
     return out
 
@@ -73,10 +69,6 @@ def vit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     b, h, s, d = query.shape
     return query.new_empty((b, s, h, d))
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def stitch_vit_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -16,9 +16,18 @@ import torch
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
-INTERPRETED = textwrap.dedent("""
-    import json, os
-    os.environ["TRITON_INTERPRET"] = "1"
+
+def interpreted(code: str) -> str:
+    """Run ``code`` in a fresh Python with Triton's interpreter on (read when Triton is first imported); its stdout."""
+    pytest.importorskip("triton", reason="the kernel is Triton's")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+LAUNCH_SHAPES = """
+    import json
     import torch
     from stitch_clip import attention
 
@@ -39,15 +48,11 @@ INTERPRETED = textwrap.dedent("""
                         "other_image_diff": (out - want.roll(1, 0)).abs().max().item(),
                         "same_alone": torch.equal(alone, out[-1:])})
     print(json.dumps(results))
-""")
+"""
 
 
 def test_the_vit_kernel_gives_sdpa_outputs_on_strided_views_in_every_launch_shape():
-    pytest.importorskip("triton", reason="the kernel is Triton's")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = json.loads(interpreted(LAUNCH_SHAPES).strip().splitlines()[-1])
     assert len(results) == 5
     for r in results:
         assert r["shape"] == r["want"] and r["contiguous"], r
@@ -58,10 +63,7 @@ def test_the_vit_kernel_gives_sdpa_outputs_on_strided_views_in_every_launch_shap
 
 def test_the_vit_kernel_passes_torch_library_checks_for_use_inside_a_compiled_tower():
     """Schema, fake (meta) implementation and dispatch, as ``torch.compile`` uses them; run interpreted."""
-    pytest.importorskip("triton", reason="the kernel is Triton's")
-    code = textwrap.dedent("""
-        import os
-        os.environ["TRITON_INTERPRET"] = "1"
+    out = interpreted("""
         import torch
         from stitch_clip import attention
         q, k, v = (torch.randn(2, 10, 4 * 32).view(2, 10, 4, 32).transpose(1, 2) for _ in range(3))
@@ -69,9 +71,7 @@ def test_the_vit_kernel_passes_torch_library_checks_for_use_inside_a_compiled_to
         assert set(report.values()) == {"SUCCESS"}, report
         print("ok", sorted(report))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
+    assert out.startswith("ok"), out
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +100,10 @@ def test_the_clip_tower_runs_stitch_vit_and_off_the_gpu_its_features_are_sdpas(c
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel runs on CUDA tensors only")
 def test_the_kernel_is_asked_only_for_calls_it_can_run():
-    from stitch_clip.attention import kernel_usable, triton_available
+    from stitch_clip.attention import TRITON, kernel_usable
 
     q = torch.zeros(2, 12, 50, 64, device="cuda", dtype=torch.bfloat16)
-    assert kernel_usable(q, q, q, None, 0.0) == triton_available()
+    assert kernel_usable(q, q, q, None, 0.0) == TRITON
     assert not kernel_usable(q, q, q, torch.zeros(2, 1, 50, 50, device="cuda"), 0.0)  # a mask
     assert not kernel_usable(q, q, q, None, 0.1)  # dropout
     assert not kernel_usable(q.float(), q.float(), q.float(), None, 0.0)  # fp32
