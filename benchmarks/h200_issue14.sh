@@ -132,6 +132,16 @@
 #                                             # autotuning results (carry .whl .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh gputests23 # every GPU test of the suite at the round's code, fla from .whl (carry
 #                                             # .whl .whl-liger .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh encode24   # CLIP's MLP in row chunks whose intermediate stays in L2: one MLP alone
+#                                             # (mlp_l2.py), then the tower so against the shipped one and small image
+#                                             # chunks, in one process, twice (carry .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh quack24    # quack's CuTe-DSL GEMMs with CLIP's bias/GELU/residual in the epilogue
+#                                             # against cuBLAS and the compiled tower's kernels (quack_gemm.py; carry
+#                                             # .whl-quack2 .whl-pydantic after a call that kept .whl-quack1 in
+#                                             # /tmp/quack: pack_quack.sh)
+#   bash benchmarks/h200_issue14.sh encode24b  # the shipped tower with quack's fused fc1 + GELU: GPU tests and a
+#                                             # mutation, encode against the unfused tower in one process, twice (carry
+#                                             # .whl-quack2 .whl-pydantic after a call that kept .whl-quack1)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -214,6 +224,29 @@ tests_and_mutation() {
   timeout 150 python3 -m pytest -q -p no:cacheprovider -k "$select" "$@" 2>&1 | tee "$OUT/gpu_tests_mutated.log" \
     | grep -E "passed|failed" | cut -c1-400
   cp /tmp/mutated.keep "$file"
+}
+# quack-kernels + nvidia-cutlass-dsl (pack_quack.sh): the DSL's MLIR library from an earlier call's /tmp/quack, the
+# rest from .whl-quack2
+use_quack() {
+  # a folder named site-packages: quack fingerprints installed functions by name only where their file's path says so
+  local q=/tmp/quack/site-packages
+  mkdir -p $q && tar xJf .whl-quack2/site.tar.xz -C $q && xz -dc /tmp/quack/cutlass_ir.so.xz > "$q/$(cat /tmp/quack/PATH)" \
+    || exit 1
+  export PYTHONPATH=$q:$q/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  python3 -c "import quack, cutlass; print('quack', quack.__version__, 'cutlass-dsl', cutlass.__version__)" 2>&1 | tail -3
+}
+# encode only, 2,048 images a call, in two runs while the call has time: variants $2 (run "a") then $3 (run "b",
+# usually the same in reverse order); JSON prepare_stitch_$1_encode_{a,b}.json, logs encode_{a,b}.log
+encode_runs() {
+  local name=$1 order variants
+  for order in a b; do
+    variants=$2
+    [ $order = b ] && variants=$3
+    [ $SECONDS -lt 420 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare \
+      --batches 2048 --compile-batches 2048 --images 2048 --variants $variants --profile-encode \
+      --name prepare_stitch_${name}_encode_$order --out "$OUT" 2>&1 | tee "$OUT/encode_$order.log" \
+      | grep -E "^encode|Error" | cut -c1-300
+  done
 }
 # the encoder's side-stream GPU test, then again with the tower no longer waiting for its chunk's copy (must fail)
 side_stream_test_and_mutation() {
@@ -1068,29 +1101,17 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       | tee "$OUT/vit_attention.log" | grep -E "b2048|Error" | cut -c1-200
     best=$(python3 -c "import json; r = json.load(open('$OUT/vit_attention_round23.json'))['rows']['2048']; \
       print(min((v['ms'], k) for k, v in r.items() if k.startswith('stitch_vit') and 'ms' in v)[1][11:])")
-    for order in a b; do
-      variants=stitch_compile_sdpa,stitch_compile,stitch_compile_$best,stitch_eager_sdpa,stitch_eager
-      [ $order = b ] && variants=stitch_compile,stitch_compile_sdpa,stitch_compile_$best
-      [ $SECONDS -lt 420 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare \
-        --batches 2048 --compile-batches 2048 --images 2048 --variants $variants --profile-encode \
-        --name prepare_stitch_round23_encode_$order --out "$OUT" 2>&1 | tee "$OUT/encode_$order.log" \
-        | grep -E "^encode|Error" | cut -c1-300
-    done
+    encode_runs round23 stitch_compile_sdpa,stitch_compile,stitch_compile_$best,stitch_eager_sdpa,stitch_eager \
+      stitch_compile,stitch_compile_sdpa,stitch_compile_$best
     ;;
   encode23b)  # chunks on two compute streams (one chunk's memory-bound kernels beside the other's GEMMs), q/k/v as one
     # GEMM, CUDA graphs, each with stitch_vit; the GPU test, and it again with a stream no longer waiting for its copy;
     # the GPU's power and clocks (nvidia-smi dmon) through the encode runs
     tests_and_mutation stitch_clip/encoder.py '/stream.wait_stream(main)  # the chunk/d' gpu tests/test_prepare_fast.py
     nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.log" 2>&1 &
-    for order in a b; do
-      variants=stitch_compile,stitch_compile_2s,stitch_compile_chunk512,stitch_compile_2s512,stitch_compile_qkv
-      variants=$variants,stitch_reduce_overhead,stitch_reduce_overhead_2s512,stitch_compile_sdpa
-      [ $order = b ] && variants=$(echo $variants | tr , '\n' | tac | paste -sd,)
-      [ $SECONDS -lt 400 ] && timeout $((590 - SECONDS)) python3 benchmarks/prepare_stitch.py --skip-prepare \
-        --batches 2048 --compile-batches 2048 --images 2048 --variants $variants --profile-encode \
-        --name prepare_stitch_round23b_encode_$order --out "$OUT" 2>&1 | tee "$OUT/encode_$order.log" \
-        | grep -E "^encode|Error" | cut -c1-300
-    done
+    variants=stitch_compile,stitch_compile_2s,stitch_compile_chunk512,stitch_compile_2s512,stitch_compile_qkv
+    variants=$variants,stitch_reduce_overhead,stitch_reduce_overhead_2s512,stitch_compile_sdpa
+    encode_runs round23b $variants "$(echo $variants | tr , '\n' | tac | paste -sd,)"
     kill %1
     ;;
   autotune23)  # whether benchmarks/triton_autotune_h200.tar.xz spares a fresh machine fla's autotuning: Qwen3.5-4B's
@@ -1108,6 +1129,32 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       tests/test_perf_lora_product.py tests/test_perf_fused_kernels.py tests/test_fast_paths.py tests/test_optimizer.py \
       tests/test_shared_input_lora.py tests/test_decode_static.py tests/test_vit_attention.py tests/test_prepare_fast.py \
       2>&1 | tee "$OUT/gpu_tests_all.log" | tail -15 | cut -c1-300
+    ;;
+  encode24)  # round 24: the MLP's fc1 -> quick-GELU -> fc2 in row chunks (its [rows, 3,072] intermediate in L2)
+    nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.log" 2>&1 &
+    timeout 200 python3 benchmarks/mlp_l2.py --name mlp_l2_round24 --out "$OUT" 2>&1 | tee "$OUT/mlp_l2.log" \
+      | grep -E "^(whole|rows|cublas|gelu)|Error" | cut -c1-250
+    best=$(python3 -c "import json; r = json.load(open('$OUT/mlp_l2_round24.json'))['rows']; \
+      print(','.join('stitch_compile_mlp' + k[4:-9] for _, k in sorted((v['ms'], k) for k, v in r.items() \
+      if k.startswith('rows') and 'ms' in v)[:2]))")
+    encode_runs round24 stitch_compile,$best,stitch_compile_chunk128,stitch_reduce_overhead_chunk64 \
+      "$(echo stitch_compile,$best | tr , '\n' | tac | paste -sd,)"
+    kill %1
+    ;;
+  quack24)  # round 24: quack (CuTe DSL) GEMMs with the MLP's GELU and the residual add in their epilogues
+    use_quack
+    timeout 540 python3 benchmarks/quack_gemm.py --name quack_gemm_round24 --out "$OUT" 2>&1 \
+      | tee "$OUT/quack_gemm.log" | grep -E "^(plain|fc1_gelu|fc2_residual|mlp)|Error" | cut -c1-250
+    ;;
+  encode24b)  # round 24: fc1 + bias + quick-GELU as one quack GEMM in the shipped tower (stitch_clip/gemm.py)
+    use_quack
+    # mutated: the bias left out of the fused epilogue
+    tests_and_mutation stitch_clip/gemm.py 's/quick_gelu(acc + bias)/quick_gelu(acc)/' "gpu or asked or hopper" \
+      tests/test_fused_mlp.py tests/test_vit_attention.py tests/test_prepare_fast.py
+    nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.log" 2>&1 &
+    encode_runs round24b stitch_compile_unfused,stitch_compile,stitch_eager,stitch_eager_unfused \
+      stitch_compile,stitch_compile_unfused
+    kill %1
     ;;
 esac
 ls -la "$OUT"

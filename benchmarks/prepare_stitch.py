@@ -513,6 +513,9 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 "stitch_compile_2s": ("default", True, {"streams": 2}),
                 "stitch_compile_2s512": ("default", True, {"streams": 2, "chunk": 512}),
                 "stitch_reduce_overhead_2s512": ("reduce-overhead", True, {"streams": 2, "chunk": 512}),
+                # the MLPs as transformers has them: fc1's bias + quick-GELU not in quack's GEMM (round 24, §0w)
+                "stitch_eager_unfused": (None, True, {"unfused": True}),
+                "stitch_compile_unfused": ("default", True, {"unfused": True}),
                 "stitch_compile_qkv": ("default", True, {"qkv": True}),
                 "stitch_compile_qkv_flash": ("default", True, {"qkv": True, "sdpa": "FLASH_ATTENTION"}),
                 "stitch_compile_qkv_efficient": ("default", True, {"qkv": True, "sdpa": "EFFICIENT_ATTENTION"})}
@@ -520,6 +523,13 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
     for name in chosen:  # stitch_compile_h<H>_w<W>: stitch_vit launched with H heads and W warps a program
         if (launch := re.fullmatch(r"stitch_compile_h(\d+)_w(\d+)", name)):
             variants[name] = ("default", True, {"launch": {"heads": int(launch[1]), "num_warps": int(launch[2])}})
+        # stitch_{compile,reduce_overhead}_chunk<N>: N images a compiled call; stitch_compile_mlp<R>: each MLP in
+        # R-row chunks (round 24: its [R, 3,072] intermediate held in L2)
+        if (chunked := re.fullmatch(r"stitch_(compile|reduce_overhead)_chunk(\d+)", name)):
+            variants[name] = (chunked[1].replace("_", "-").replace("compile", "default"), True,
+                              {"chunk": int(chunked[2])})
+        if (rows := re.fullmatch(r"stitch_compile_mlp(\d+)", name)):
+            variants[name] = ("default", True, {"mlp_rows": int(rows[1])})
     for batch in args.batches:
         row: dict = {}
         ips, warm = timed(lambda b: stock_run(b), batch)
@@ -544,6 +554,10 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 encoder.model.set_attn_implementation(options["attn"])
             if options.get("qkv"):
                 attention_as_one_qkv_gemm(encoder.model)
+            if options.get("unfused"):
+                unfuse_mlps(encoder.model)
+            if "mlp_rows" in options:
+                mlp_in_row_chunks(encoder.model, options["mlp_rows"])
             from stitch_clip import attention
 
             shipped_launch = dict(attention.LAUNCH)
@@ -630,6 +644,36 @@ def attention_as_one_qkv_gemm(model: Any) -> int:
         del module.q_proj, module.k_proj, module.v_proj
         module.qkv = fused.requires_grad_(False)
         module.__class__ = type("CLIPQkvAttention", (QkvAttention, type(module)), {})
+        switched += 1
+    return switched
+
+
+def unfuse_mlps(model: Any) -> int:
+    """Every MLP that ``stitch_clip.gemm.fuse_quick_gelu`` switched back to its own class; the number switched."""
+    from stitch_clip.gemm import FusedQuickGeluMLP
+
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, FusedQuickGeluMLP):
+            module.__class__ = module.__class__.__mro__[2]
+            switched += 1
+    return switched
+
+
+def mlp_in_row_chunks(model: Any, rows: int) -> int:
+    """Every ``CLIPMLP`` of ``model`` run over its flattened tokens in ``rows``-row chunks (benchmarks/mlp_l2.py
+    times one alone); the number switched."""
+    switched = 0
+    for module in model.modules():
+        if type(module).__name__ != "CLIPMLP":
+            continue
+
+        def forward(hidden_states: torch.Tensor, m=module) -> torch.Tensor:
+            flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+            out = torch.cat([m.fc2(m.activation_fn(m.fc1(flat[s : s + rows]))) for s in range(0, flat.shape[0], rows)])
+            return out.view(*hidden_states.shape[:-1], -1)
+
+        module.forward = forward
         switched += 1
     return switched
 

@@ -1,0 +1,130 @@
+"""CLIP's fc1 + bias + quick-GELU as one quack GEMM (``stitch_clip.gemm``): which MLPs are switched, that off a
+Hopper GPU they compute exactly what they did, the op's fake implementation (what a compiled tower traces), and on a
+Hopper GPU with quack installed its accuracy, batch invariance, stream and the tower running it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
+
+from stitch_clip import gemm  # noqa: E402
+
+ON_HOPPER = torch.cuda.is_available() and gemm.hopper("cuda")
+
+
+@pytest.fixture(scope="module")
+def clip_tiny():
+    from stitch.plugins.host import load_plugins
+
+    return load_plugins().get("encoders", "clip-tiny")
+
+
+def tiny_tower(clip_tiny, **config):
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    base = CLIPVisionConfig.from_pretrained(**clip_tiny.source.pretrained_kwargs())
+    for key, value in config.items():
+        setattr(base, key, value)
+    return CLIPVisionModel(base).eval()
+
+
+def test_fusing_switches_every_quick_gelu_mlp_and_off_the_gpu_it_computes_the_same_bits(clip_tiny):
+    model = tiny_tower(clip_tiny)
+    pixels = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    keys = sorted(model.state_dict())
+    with torch.no_grad():
+        before = model(pixel_values=pixels).last_hidden_state
+        assert gemm.fuse_quick_gelu(model) == 2  # both layers' MLPs
+        after = model(pixel_values=pixels).last_hidden_state
+    tower = getattr(model, "vision_model", model)  # transformers before 5.19 nest the tower one level down
+    assert all(isinstance(layer.mlp, gemm.FusedQuickGeluMLP) for layer in tower.encoder.layers)
+    assert sorted(model.state_dict()) == keys  # same weights, same names
+    assert torch.equal(before, after)  # CPU fp32: transformers' own MLP
+    assert gemm.fuse_quick_gelu(model) == 0  # already switched
+
+
+@pytest.mark.parametrize("config", [{"hidden_act": "gelu"}, {"intermediate_size": 1020}])
+def test_an_mlp_with_another_activation_or_a_width_tma_cannot_tile_is_not_switched(clip_tiny, config):
+    model = tiny_tower(clip_tiny, **config)
+    assert gemm.fuse_quick_gelu(model) == 0
+    assert not any(isinstance(m, gemm.FusedQuickGeluMLP) for m in model.modules())
+
+
+def test_the_encoder_fuses_its_mlps_only_on_a_hopper_gpu(clip_tiny):
+    assert not gemm.hopper("cpu")
+    encoder = clip_tiny.load(clip_tiny.source, "cpu", torch.bfloat16)
+    assert encoder.fused_mlps == 0
+    assert not any(isinstance(m, gemm.FusedQuickGeluMLP) for m in encoder.model.modules())
+
+
+def test_the_fused_op_has_the_output_shape_a_compiled_tower_traces():
+    x = torch.empty(3, 50, 768, device="meta", dtype=torch.bfloat16)
+    weight = torch.empty(3072, 768, device="meta", dtype=torch.bfloat16)
+    out = torch.ops.stitch_clip.linear_quick_gelu(x, weight, torch.empty(3072, device="meta", dtype=torch.bfloat16))
+    assert out.shape == (3, 50, 3072) and out.dtype == torch.bfloat16
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    y = x.double() @ weight.double().t() + bias.double()
+    return y * torch.sigmoid(1.702 * y)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the fused GEMM runs on a Hopper GPU with quack installed")
+def test_on_a_hopper_gpu_the_fused_fc1_is_as_close_to_fp64_as_the_unfused_one_and_batch_invariant():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(700, 50, 768, generator=g, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(3072, 768, generator=g, device="cuda") / 768**0.5).to(torch.bfloat16)
+    bias = (torch.randn(3072, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
+    exact = reference(x, weight, bias)
+    got = gemm.linear_quick_gelu(x, weight, bias)
+    y = torch.nn.functional.linear(x, weight, bias)
+    unfused = y * torch.sigmoid(1.702 * y)
+    err, unfused_err = (got.double() - exact).abs().max().item(), (unfused.double() - exact).abs().max().item()
+    assert got.shape == (700, 50, 3072) and got.dtype == torch.bfloat16
+    assert err <= unfused_err + 1e-3, (err, unfused_err)  # one rounding, in fp32, instead of two
+    assert (got.double() - exact.roll(1, 0)).abs().max().item() > 0.1  # another image's: the check can fail
+    for n in (1, 7, 512):  # the first n images alone: the same bits as in the batch of 700
+        assert torch.equal(gemm.linear_quick_gelu(x[:n], weight, bias), got[:n]), n
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the fused GEMM runs on a Hopper GPU with quack installed")
+def test_on_a_hopper_gpu_the_fused_op_runs_on_the_callers_stream_and_passes_torch_library_checks():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(1024, 768, generator=g, device="cuda") / 768**0.5).to(torch.bfloat16)
+    bias = torch.zeros(1024, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    big = torch.randn(8192, 8192, generator=g, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        for _ in range(20):  # ~15 ms of work queued before the input is written, all on the side stream
+            big = big @ big * 1e-2
+        x = torch.ones(4096, 768, device="cuda", dtype=torch.bfloat16) + big[:4096, :768] * 0
+        got = gemm.linear_quick_gelu(x, weight, bias)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got.double(), reference(x, weight, bias), atol=2e-2, rtol=2e-2)
+    x = torch.randn(2, 10, 768, device="cuda", dtype=torch.bfloat16)
+    report = torch.library.opcheck(gemm.linear_quick_gelu, (x, weight, bias), test_utils=(
+        "test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the fused GEMM runs on a Hopper GPU with quack installed")
+def test_on_a_hopper_gpu_the_compiled_tower_runs_the_fused_mlp_and_gives_the_unfused_features(clip_tiny):
+    encoder = clip_tiny.load(clip_tiny.source, "cuda", torch.bfloat16)
+    assert encoder.fused_mlps == encoder.model.config.num_hidden_layers == 1  # the layer prepare uses
+    encoder.compile(256)
+    pixels = torch.randint(0, 256, (300, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        features = encoder.encode(pixels).float()
+    assert any("linear_quick_gelu" in e.name for e in prof.events()), "the compiled tower did not call the fused op"
+    plain = clip_tiny.load(clip_tiny.source, "cuda", torch.bfloat16)
+    for module in plain.model.modules():  # back to transformers' MLP
+        if isinstance(module, gemm.FusedQuickGeluMLP):
+            module.__class__ = module.__class__.__mro__[2]
+    plain.compile(256)
+    want = plain.encode(pixels).float()
+    relative = ((features - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2))).max().item()
+    assert relative <= 1e-2, relative  # bf16 towers: other kernels, the same features
