@@ -142,6 +142,9 @@
 #   bash benchmarks/h200_issue14.sh encode24b  # the shipped tower with quack's fused fc1 + GELU: GPU tests and a
 #                                             # mutation, encode against the unfused tower in one process, twice (carry
 #                                             # .whl-quack2 .whl-pydantic after a call that kept .whl-quack1)
+#   bash benchmarks/h200_issue14.sh final24    # round 24's final code with quack: the GPU tests and a mutation, stitch
+#                                             # prepare on 16k and 64k JPEGs, encode against the unfused tower (carry
+#                                             # .whl-quack2 .whl-pydantic .whl-demo after a call that kept .whl-quack1)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -234,6 +237,11 @@ use_quack() {
     || exit 1
   export PYTHONPATH=$q:$q/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
   python3 -c "import quack, cutlass; print('quack', quack.__version__, 'cutlass-dsl', cutlass.__version__)" 2>&1 | tail -3
+}
+# the fused MLP's GPU tests with the tower's others, then again with the bias left out of the fused epilogue (must fail)
+fused_mlp_tests_and_mutation() {
+  tests_and_mutation stitch_clip/gemm.py 's/quick_gelu(acc + bias)/quick_gelu(acc)/' "gpu or asked or hopper" \
+    tests/test_fused_mlp.py tests/test_vit_attention.py tests/test_prepare_fast.py
 }
 # encode only, 2,048 images a call, in two runs while the call has time: variants $2 (run "a") then $3 (run "b",
 # usually the same in reverse order); JSON prepare_stitch_$1_encode_{a,b}.json, logs encode_{a,b}.log
@@ -1148,13 +1156,23 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     ;;
   encode24b)  # round 24: fc1 + bias + quick-GELU as one quack GEMM in the shipped tower (stitch_clip/gemm.py)
     use_quack
-    # mutated: the bias left out of the fused epilogue
-    tests_and_mutation stitch_clip/gemm.py 's/quick_gelu(acc + bias)/quick_gelu(acc)/' "gpu or asked or hopper" \
-      tests/test_fused_mlp.py tests/test_vit_attention.py tests/test_prepare_fast.py
+    fused_mlp_tests_and_mutation
     nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.log" 2>&1 &
     encode_runs round24b stitch_compile_unfused,stitch_compile,stitch_eager,stitch_eager_unfused \
       stitch_compile,stitch_compile_unfused
     kill %1
+    ;;
+  final24)  # round 24's final code, quack installed as stitch-clip[hopper] would: its GPU tests, the shipped stitch prepare
+    # end to end on JPEG (nvjpeg decode, the encoder's quack GEMM), encode only against the unfused tower
+    use_quack
+    install_datasets
+    fused_mlp_tests_and_mutation
+    for n in 16384 65536; do
+      timeout 200 python3 benchmarks/prepare_stitch.py --images $n --decode device --skip-encode \
+        --name prepare_stitch_final24_$n --out "$OUT" 2>&1 | tee "$OUT/prepare_$n.log" | grep -E "^prepare|Error" \
+        | cut -c1-160
+    done
+    encode_runs final24 stitch_compile,stitch_compile_unfused stitch_compile_unfused,stitch_compile
     ;;
 esac
 ls -la "$OUT"

@@ -524,13 +524,13 @@ class ClipImageEncoder:
 
     def __init__(self, model: Any, processor: Any, device: torch.device, dtype: torch.dtype,
                  feature_width: int = FEATURE_WIDTH) -> None:
-        from stitch_clip.gemm import HALF, fuse_quick_gelu, hopper
+        from stitch_clip.gemm import fuse_where_it_runs
 
         model = drop_unused_layers(model)
         patch_embedding_as_gemm(model)
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         # on a Hopper GPU with quack installed, each MLP's fc1 + bias + quick-GELU is one GEMM (stitch_clip/gemm.py)
-        self.fused_mlps = fuse_quick_gelu(self.model) if dtype in HALF and hopper(device) else 0
+        self.fused_mlps = fuse_where_it_runs(self.model, device, dtype)
         self.processor = processor
         self.pixels = ClipPixels(processor)
         self.device = device

@@ -60,6 +60,23 @@ def test_the_encoder_fuses_its_mlps_only_on_a_hopper_gpu(clip_tiny):
     assert not any(isinstance(m, gemm.FusedQuickGeluMLP) for m in encoder.model.modules())
 
 
+def test_where_the_fused_gemm_fails_its_check_the_encoder_warns_and_keeps_transformers_mlps(clip_tiny, monkeypatch):
+    model = tiny_tower(clip_tiny)
+    monkeypatch.setattr(gemm, "hopper", lambda device: True)
+
+    def broken(fc1):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(gemm, "check", broken)
+    with pytest.warns(RuntimeWarning, match="no kernel image.*stay transformers' own"):
+        assert gemm.fuse_where_it_runs(model, "cuda", torch.bfloat16) == 0
+    assert not any(isinstance(m, gemm.FusedQuickGeluMLP) for m in model.modules())
+    checked = []
+    monkeypatch.setattr(gemm, "check", checked.append)
+    assert gemm.fuse_where_it_runs(model, "cuda", torch.float32) == 0  # fp32: not the kernel's
+    assert gemm.fuse_where_it_runs(model, "cuda", torch.bfloat16) == 2 and len(checked) == 1
+
+
 def test_the_fused_op_has_the_output_shape_a_compiled_tower_traces():
     x = torch.empty(3, 50, 768, device="meta", dtype=torch.bfloat16)
     weight = torch.empty(3072, 768, device="meta", dtype=torch.bfloat16)
