@@ -144,7 +144,8 @@
 #                                             # .whl-quack2 .whl-pydantic after a call that kept .whl-quack1)
 #   bash benchmarks/h200_issue14.sh final24    # round 24's final code with quack: the GPU tests and a mutation, stitch
 #                                             # prepare on 16k and 64k JPEGs, encode against the unfused tower (carry
-#                                             # .whl-quack2 .whl-pydantic .whl-demo after a call that kept .whl-quack1)
+#                                             # .whl-quack2 .whl-pydantic after calls that kept .whl-quack1 in /tmp/quack
+#                                             # and .whl-demo in /tmp/whl-demo)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -1165,6 +1166,8 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
   final24)  # round 24's final code, quack installed as stitch-clip[hopper] would: its GPU tests, the shipped stitch prepare
     # end to end on JPEG (nvjpeg decode, the encoder's quack GEMM), encode only against the unfused tower
     use_quack
+    # .whl-demo came in a call of its own (with the quack carry it is over 64 MiB) and waits in /tmp/whl-demo
+    [ -d .whl-demo ] || cp -r /tmp/whl-demo .whl-demo
     install_datasets
     fused_mlp_tests_and_mutation
     for n in 16384 65536; do
