@@ -1159,7 +1159,7 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     use_quack
     fused_mlp_tests_and_mutation
     nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.log" 2>&1 &
-    encode_runs round24b stitch_compile_unfused,stitch_compile,stitch_eager,stitch_eager_unfused \
+    encode_runs round24b stitch_compile_unfused,stitch_compile,stitch_eager \
       stitch_compile,stitch_compile_unfused
     kill %1
     ;;

@@ -53,11 +53,18 @@ def test_an_mlp_with_another_activation_or_a_width_tma_cannot_tile_is_not_switch
     assert not any(isinstance(m, gemm.FusedQuickGeluMLP) for m in model.modules())
 
 
-def test_the_encoder_fuses_its_mlps_only_on_a_hopper_gpu(clip_tiny):
+def test_the_encoder_fuses_its_mlps_when_it_compiles_and_only_on_a_hopper_gpu(clip_tiny, monkeypatch):
     assert not gemm.hopper("cpu")
     encoder = clip_tiny.load(clip_tiny.source, "cpu", torch.bfloat16)
+    encoder.compile(8)  # torch.compile wraps the tower; nothing compiles until a call
     assert encoder.fused_mlps == 0
     assert not any(isinstance(m, gemm.FusedQuickGeluMLP) for m in encoder.model.modules())
+    monkeypatch.setattr(gemm, "hopper", lambda device: True)
+    monkeypatch.setattr(gemm, "check", lambda fc1: None)
+    encoder = clip_tiny.load(clip_tiny.source, "cpu", torch.bfloat16)
+    assert encoder.fused_mlps == 0  # loading alone: serving's one-image encodes, prepare's small jobs
+    encoder.compile(8)
+    assert encoder.fused_mlps == encoder.model.config.num_hidden_layers == 1  # prepare keeps one of the two layers
 
 
 def test_where_the_fused_gemm_fails_its_check_the_encoder_warns_and_keeps_transformers_mlps(clip_tiny, monkeypatch):
@@ -131,17 +138,15 @@ def test_on_a_hopper_gpu_the_fused_op_runs_on_the_callers_stream_and_passes_torc
 @pytest.mark.skipif(not ON_HOPPER, reason="the fused GEMM runs on a Hopper GPU with quack installed")
 def test_on_a_hopper_gpu_the_compiled_tower_runs_the_fused_mlp_and_gives_the_unfused_features(clip_tiny):
     encoder = clip_tiny.load(clip_tiny.source, "cuda", torch.bfloat16)
-    assert encoder.fused_mlps == encoder.model.config.num_hidden_layers == 1  # the layer prepare uses
     encoder.compile(256)
+    assert encoder.fused_mlps == encoder.model.config.num_hidden_layers == 1  # the layer prepare uses
     pixels = torch.randint(0, 256, (300, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         features = encoder.encode(pixels).float()
     assert any("linear_quick_gelu" in e.name for e in prof.events()), "the compiled tower did not call the fused op"
     plain = clip_tiny.load(clip_tiny.source, "cuda", torch.bfloat16)
-    for module in plain.model.modules():  # back to transformers' MLP
-        if isinstance(module, gemm.FusedQuickGeluMLP):
-            module.__class__ = module.__class__.__mro__[2]
-    plain.compile(256)
+    plain._tower = torch.compile(plain._patches, dynamic=False)  # compiled as shipped, the MLPs transformers'
+    plain.compiled_batch = 256
     want = plain.encode(pixels).float()
     relative = ((features - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2))).max().item()
     assert relative <= 1e-2, relative  # bf16 towers: other kernels, the same features
