@@ -1170,12 +1170,18 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     [ -d .whl-demo ] || cp -r /tmp/whl-demo .whl-demo
     install_datasets
     fused_mlp_tests_and_mutation
-    for n in 16384 65536; do
-      timeout 200 python3 benchmarks/prepare_stitch.py --images $n --decode device --skip-encode \
-        --name prepare_stitch_final24_$n --out "$OUT" 2>&1 | tee "$OUT/prepare_$n.log" | grep -E "^prepare|Error" \
-        | cut -c1-160
+    # TAG names the results (final24: 7017cf9, fused at load; final24b: the fused MLP only with compile); the last
+    # run compiles (and so fuses) though 64k is under data.prepare.compile's auto threshold
+    tag=${TAG:-final24}
+    for run in "16384" "65536" "65536 --compile always"; do
+      set -- $run
+      [ $SECONDS -lt 330 ] && timeout 200 python3 benchmarks/prepare_stitch.py --images $1 --decode device \
+        --skip-encode "${@:2}" --name "prepare_stitch_${tag}_$1${2:+_compiled}" --out "$OUT" 2>&1 \
+        | tee "$OUT/prepare_$1${2:+_compiled}.log" | grep -E "^prepare|Error" | cut -c1-160
     done
-    encode_runs final24 stitch_compile,stitch_compile_unfused stitch_compile_unfused,stitch_compile
+    encode_runs $tag stitch_compile,stitch_compile_unfused stitch_compile_unfused,stitch_compile
+    # more than the 8 files a call brings back: one archive
+    (cd "$OUT" && tar czf "$tag.tgz" ./*.json ./*.log && rm -f ./*.json ./*.log)
     ;;
 esac
 ls -la "$OUT"
