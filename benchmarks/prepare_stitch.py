@@ -573,7 +573,9 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 functorch_config.enable_autograd_cache = "sdpa" not in options
                 encoder.compile(batch)  # which also fuses the MLPs' fc1 + GELU on a Hopper GPU with quack
                 if options.get("unfused"):
-                    unfuse_mlps(encoder.model)
+                    from stitch_clip.gemm import unfuse_quick_gelu
+
+                    unfuse_quick_gelu(encoder.model)
                 encoder._tower = torch.compile(encoder._patches, dynamic=False, mode=mode)
             # sdpa restricted to one kernel around every call (a compiled variant's first call traces inside it)
             backend = [getattr(torch.nn.attention.SDPBackend, options["sdpa"])] if "sdpa" in options else None
@@ -644,18 +646,6 @@ def attention_as_one_qkv_gemm(model: Any) -> int:
         module.qkv = fused.requires_grad_(False)
         module.__class__ = type("CLIPQkvAttention", (QkvAttention, type(module)), {})
         switched += 1
-    return switched
-
-
-def unfuse_mlps(model: Any) -> int:
-    """Every MLP that ``stitch_clip.gemm.fuse_quick_gelu`` switched back to its own class; the number switched."""
-    from stitch_clip.gemm import FusedQuickGeluMLP
-
-    switched = 0
-    for module in model.modules():
-        if isinstance(module, FusedQuickGeluMLP):
-            module.__class__ = module.__class__.__mro__[2]
-            switched += 1
     return switched
 
 

@@ -553,7 +553,7 @@ class ClipImageEncoder:
         recompiles at shard or partition ends.
 
         First, on a Hopper GPU with quack installed, each MLP's fc1 + bias + quick-GELU becomes one GEMM
-        (``stitch_clip.gemm``: 1.11-1.12x the compiled encode on the H200). It goes with compiling because its
+        (``stitch_clip.gemm``: 1.10-1.12x the compiled encode on the H200). It goes with compiling because its
         start-up (importing the DSL and building the kernel, ~4 s on the H200) pays only where compiling does:
         prepare compiles for large jobs (``data.prepare.compile``), serving encodes one image at a time."""
         from stitch_clip.gemm import fuse_where_it_runs

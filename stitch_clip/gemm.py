@@ -1,21 +1,21 @@
 """CLIP's MLP input projection, bias and quick-GELU as one GEMM on a Hopper GPU (quack's CuTe-DSL kernels).
 
-Why: per 2,048 images the compiled tower ran fc1 as a cuBLAS GEMM and then inductor's bias + quick-GELU kernel, which
-reads and writes the [102,400 x 3,072] activations through HBM once more in each of the 11 layers (~3.2 ms of a
-~36 ms encode, BENCHMARKS.md §0k). Triton GEMMs with that epilogue lost to cuBLAS (§0m). quack's Hopper GEMM
-(persistent, warp-specialised ping-pong, TMA) takes its epilogue as a Python function: with bias + quick-GELU in it,
-fc1 took 0.739 ms on the H200 against 1.039 for the shipped pair and 0.772 for cuBLAS's GEMM alone
-(benchmarks/quack_gemm.py, §0w). The GELU is computed in fp32 on the fp32 accumulator and rounded once.
+Why: the compiled tower ran fc1 as a cuBLAS GEMM and then inductor's bias + quick-GELU kernel, which reads and writes
+the [tokens x 3,072] activations through HBM once more in each layer (3.2 ms of 34.4 ms of compute per 2,048 images,
+BENCHMARKS.md §0v). quack's Hopper GEMM takes its epilogue as a Python function: with bias + quick-GELU in it, fc1
+took 0.739 ms on the H200 against 1.039 for the pair and 0.772 for cuBLAS's GEMM alone (§0w). The GELU is computed in
+fp32 on the fp32 accumulator and rounded once.
 
-Used where it can run: a CUDA device of compute capability 9.x (Hopper), half precision, ``quack-kernels``
-installed (``pip install 'stitch-clip[hopper]'``). Anywhere else the MLP is transformers' own, unchanged. The tile
-configuration is fixed, so an image's features are the same bits whatever it is batched with.
+``ClipImageEncoder.compile`` switches the MLPs (``fuse_where_it_runs``) on a device of compute capability 9.x, in half
+precision, with ``quack-kernels`` installed (``pip install 'stitch-clip[hopper]'``); anywhere else the MLP is
+transformers' own. The tile configuration is fixed, so an image's features are the same bits in any batch.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import threading
 import warnings
 from typing import Any
 
@@ -30,38 +30,40 @@ def _installed(distribution: str, module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-# looked up once at import: a compiled tower traces the MLP's check, and dynamo warns about cached functions
 QUACK = _installed("quack-kernels", "quack")
 HALF = (torch.float16, torch.bfloat16)
-# quack's SM90 tile, measured best of six at ViT-B/32's fc1 (benchmarks/quack_gemm.py): 128 x 192 output tiles, two
-# consumer warpgroups in ping-pong, clusters of two along M; fixed (not autotuned) so every run launches the same kernel
+# quack's SM90 tile, the best of the five configs that built at ViT-B/32's fc1 (benchmarks/quack_gemm.py): 128 x 192
+# output tiles, two consumer warpgroups in ping-pong, clusters of two along M; fixed (not autotuned), so every run
+# launches the same kernel
 CONFIG = {"tile_m": 128, "tile_n": 192, "pingpong": True, "cluster_m": 2, "cluster_n": 1}
 _BUILT: dict[str, Any] = {}
+_BUILDING = threading.Lock()  # prepare loads and checks the encoder on one thread and encodes on another
 _FUSED_CLASSES: dict[type, type] = {}  # a CLIP MLP class -> its fused subclass (one per class, not per module)
 
 
 def hopper(device: torch.device | str) -> bool:
-    """Whether ``device`` is a CUDA device of compute capability 9.x and quack is installed: where the fused GEMM runs."""
+    """Whether ``device`` is a CUDA device of compute capability 9.x and quack is installed (where the GEMM runs)."""
     device = torch.device(device)
-    return QUACK and device.type == "cuda" and torch.cuda.is_available() and \
-        torch.cuda.get_device_capability(device)[0] == 9
+    return (QUACK and device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 def _kernel() -> tuple[Any, Any]:
     """quack's epilogue GEMM for ``quick_gelu(x @ w.T + b)`` and its pinned config, built at the first call."""
-    if not _BUILT:
-        from quack.activation import quick_gelu
-        from quack.epilogue.frontend import gemm_epilogue
-        from quack.epilogue.ops import RowVecLoad
-        from quack.gemm_config import GemmConfig
+    with _BUILDING:
+        if not _BUILT:
+            from quack.activation import quick_gelu
+            from quack.epilogue.frontend import gemm_epilogue
+            from quack.epilogue.ops import RowVecLoad
+            from quack.gemm_config import GemmConfig
 
-        # the bias pinned as a row vector: quack infers it from the shapes, which is ambiguous where rows == width
-        @gemm_epilogue(ops={"bias": RowVecLoad("bias")})
-        def bias_quick_gelu(acc, bias):
-            return {"D": quick_gelu(acc + bias)}
+            # the bias pinned as a row vector: quack infers it from the shapes, ambiguous where rows == width
+            @gemm_epilogue(ops={"bias": RowVecLoad("bias")})
+            def bias_quick_gelu(acc, bias):
+                return {"D": quick_gelu(acc + bias)}
 
-        _BUILT["mod"] = bias_quick_gelu
-        _BUILT["config"] = GemmConfig(**CONFIG, is_dynamic_persistent=False, device_capacity=9)
+            config = GemmConfig(**CONFIG, is_dynamic_persistent=False, device_capacity=9)
+            _BUILT.update(mod=bias_quick_gelu, config=config)
     return _BUILT["mod"], _BUILT["config"]
 
 
@@ -69,9 +71,12 @@ def _kernel() -> tuple[Any, Any]:
 def linear_quick_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``quick_gelu(x @ weight.T + bias)`` (CLIP's ``x * sigmoid(1.702 x)``) as one GEMM: x [..., K], weight [N, K],
     bias [N], all CUDA tensors of one half-precision dtype, K and N multiples of 8."""
+    if not x.numel():
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
     mod, config = _kernel()
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = mod(flat, weight.t(), bias=bias.view(1, -1), config=config, tuned=False)["D"]
+    with torch.cuda.device(x.device):  # quack launches on the current device's stream: the input's
+        out = mod(flat, weight.t(), bias=bias.view(1, -1), config=config, tuned=False)["D"]
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -82,15 +87,16 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor
 
 class FusedQuickGeluMLP(torch.nn.Module):
     """A CLIP MLP (``fc1``, quick-GELU, ``fc2``) whose fc1 + bias + GELU run as ``linear_quick_gelu`` on CUDA half
-    inputs; any other input goes through the class it was switched from (``fuse_quick_gelu``)."""
+    inputs without autograd (the op has no backward; the encoder is frozen and encodes under ``no_grad``); any other
+    call goes through the class it was switched from (``fuse_quick_gelu``)."""
 
     fc1: torch.nn.Linear
     fc2: torch.nn.Linear
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if (hidden_states.is_cuda and hidden_states.dtype in HALF and hidden_states.dtype == self.fc1.weight.dtype
-                and hidden_states.numel()):
-            return self.fc2(torch.ops.stitch_clip.linear_quick_gelu(hidden_states, self.fc1.weight, self.fc1.bias))
+        x, weight = hidden_states, self.fc1.weight
+        if x.is_cuda and x.dtype in HALF and x.dtype == weight.dtype and x.numel() and not torch.is_grad_enabled():
+            return self.fc2(torch.ops.stitch_clip.linear_quick_gelu(x, weight, self.fc1.bias))
         return super().forward(hidden_states)
 
 
@@ -107,6 +113,17 @@ def fuse_quick_gelu(model: Any) -> int:
     return switched
 
 
+def unfuse_quick_gelu(model: Any) -> int:
+    """Switch every MLP ``fuse_quick_gelu`` switched back to the class it had; the number switched."""
+    original = {fused: cls for cls, fused in _FUSED_CLASSES.items()}
+    switched = 0
+    for module in model.modules():
+        if type(module) in original:
+            module.__class__ = original[type(module)]
+            switched += 1
+    return switched
+
+
 def _mlps(model: Any) -> list[Any]:
     """The CLIP MLPs of ``model`` that ``linear_quick_gelu`` can run: quick-GELU, a bias, widths TMA can tile
     (multiples of 8)."""
@@ -120,16 +137,24 @@ def _mlps(model: Any) -> list[Any]:
     return out
 
 
+def quick_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``quick_gelu(x @ weight.T + bias)`` in float32 with torch's own ops (what the fused GEMM must match)."""
+    y = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    return y * torch.sigmoid(1.702 * y)
+
+
 def check(fc1: torch.nn.Linear) -> None:
-    """Run ``linear_quick_gelu`` once on 256 random rows with ``fc1``'s weight and bias (the kernel the tower will use,
-    compiled now) and compare it with torch's fp32 arithmetic; raises where it fails or disagrees."""
+    """Run ``linear_quick_gelu`` once on 256 random rows with ``fc1``'s weight and a random bias (the kernel the tower
+    will use, built now) and compare it with ``quick_gelu_reference``; raises where it fails or disagrees."""
     g = torch.Generator(device=fc1.weight.device).manual_seed(0)
-    x = torch.randn(256, fc1.in_features, generator=g, device=fc1.weight.device).to(fc1.weight.dtype)
-    got = linear_quick_gelu(x, fc1.weight, fc1.bias).float()
-    y = torch.nn.functional.linear(x.float(), fc1.weight.float(), fc1.bias.float())
-    want = y * torch.sigmoid(1.702 * y)
+    dtype, device = fc1.weight.dtype, fc1.weight.device
+    x = torch.randn(256, fc1.in_features, generator=g, device=device).to(dtype)
+    bias = torch.randn(fc1.out_features, generator=g, device=device).to(dtype)
+    got = linear_quick_gelu(x, fc1.weight, bias).float()
+    want = quick_gelu_reference(x, fc1.weight, bias)
     if not torch.allclose(got, want, atol=5e-2, rtol=5e-2):
-        raise RuntimeError(f"its output differs from torch's by up to {(got - want).abs().max().item():.3g}")
+        raise RuntimeError(f"linear_quick_gelu on a [{fc1.out_features} x {fc1.in_features}] fc1 differs from torch's "
+                           f"arithmetic by up to {(got - want).abs().max().item():.3g}")
 
 
 def fuse_where_it_runs(model: Any, device: torch.device | str, dtype: torch.dtype) -> int:

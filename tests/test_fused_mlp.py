@@ -44,6 +44,11 @@ def test_fusing_switches_every_quick_gelu_mlp_and_off_the_gpu_it_computes_the_sa
     assert sorted(model.state_dict()) == keys  # same weights, same names
     assert torch.equal(before, after)  # CPU fp32: transformers' own MLP
     assert gemm.fuse_quick_gelu(model) == 0  # already switched
+    model = model.to(torch.bfloat16)  # half precision off the GPU: still transformers' MLP
+    with torch.no_grad():
+        switched = model(pixel_values=pixels.bfloat16()).last_hidden_state
+        assert gemm.unfuse_quick_gelu(model) == 2 and fused(model) == 0  # back to the classes they had
+        assert torch.equal(switched, model(pixel_values=pixels.bfloat16()).last_hidden_state)
 
 
 @pytest.mark.parametrize("config", [{"hidden_act": "gelu"}, {"intermediate_size": 1020}])
@@ -53,21 +58,27 @@ def test_an_mlp_with_another_activation_or_a_width_tma_cannot_tile_is_not_switch
     assert not any(isinstance(m, gemm.FusedQuickGeluMLP) for m in model.modules())
 
 
+def fused(model) -> int:
+    return sum(isinstance(m, gemm.FusedQuickGeluMLP) for m in model.modules())
+
+
 def test_the_encoder_fuses_its_mlps_when_it_compiles_and_only_on_a_hopper_gpu(clip_tiny, monkeypatch):
     assert not gemm.hopper("cpu")
     encoder = clip_tiny.load(clip_tiny.source, "cpu", torch.bfloat16)
     encoder.compile(8)  # torch.compile wraps the tower; nothing compiles until a call
-    assert encoder.fused_mlps == 0
-    assert not any(isinstance(m, gemm.FusedQuickGeluMLP) for m in encoder.model.modules())
+    assert encoder.fused_mlps == fused(encoder.model) == 0
     monkeypatch.setattr(gemm, "hopper", lambda device: True)
-    monkeypatch.setattr(gemm, "check", lambda fc1: None)
+    checked = []
+    monkeypatch.setattr(gemm, "check", checked.append)
     encoder = clip_tiny.load(clip_tiny.source, "cpu", torch.bfloat16)
-    assert encoder.fused_mlps == 0  # loading alone: serving's one-image encodes, prepare's small jobs
+    assert fused(encoder.model) == 0 and not checked  # loading alone: serving's one-image encodes, small prepares
     encoder.compile(8)
-    assert encoder.fused_mlps == encoder.model.config.num_hidden_layers == 1  # prepare keeps one of the two layers
+    assert encoder.fused_mlps == fused(encoder.model) == encoder.model.config.num_hidden_layers == 1  # one layer kept
+    encoder.compile(8)  # again: nothing more to switch, the kernel checked once
+    assert encoder.fused_mlps == 1 and len(checked) == 1
 
 
-def test_where_the_fused_gemm_fails_its_check_the_encoder_warns_and_keeps_transformers_mlps(clip_tiny, monkeypatch):
+def test_where_the_fused_gemm_fails_its_check_fusing_warns_and_keeps_transformers_mlps(clip_tiny, monkeypatch):
     model = tiny_tower(clip_tiny)
     monkeypatch.setattr(gemm, "hopper", lambda device: True)
 
@@ -84,6 +95,25 @@ def test_where_the_fused_gemm_fails_its_check_the_encoder_warns_and_keeps_transf
     assert gemm.fuse_where_it_runs(model, "cuda", torch.bfloat16) == 2 and len(checked) == 1
 
 
+def test_the_check_refuses_a_fused_gemm_whose_output_is_not_quick_gelu(clip_tiny, monkeypatch):
+    fc1 = torch.nn.Linear(64, 128).to(torch.bfloat16)
+    monkeypatch.setattr(gemm, "linear_quick_gelu", gemm.quick_gelu_reference)  # right: passes
+    gemm.check(fc1)
+    monkeypatch.setattr(gemm, "linear_quick_gelu", lambda x, w, b: gemm.quick_gelu_reference(x, w, b * 0))
+    with pytest.raises(RuntimeError, match=r"linear_quick_gelu on a \[128 x 64\] fc1 differs"):
+        gemm.check(fc1)  # the check's random bias: a kernel that drops it fails
+
+
+def test_quack_counts_as_installed_only_as_the_quack_kernels_distribution(monkeypatch):
+    def missing(name):
+        raise gemm.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(gemm.importlib.metadata, "version", missing)
+    assert not gemm._installed("quack-kernels", "torch")  # a module of the name is there, the distribution not
+    monkeypatch.setattr(gemm.importlib.metadata, "version", lambda name: "0.6.5")
+    assert gemm._installed("quack-kernels", "torch") and not gemm._installed("quack-kernels", "no_such_module_x")
+
+
 def test_the_fused_op_has_the_output_shape_a_compiled_tower_traces():
     x = torch.empty(3, 50, 768, device="meta", dtype=torch.bfloat16)
     weight = torch.empty(3072, 768, device="meta", dtype=torch.bfloat16)
@@ -92,7 +122,7 @@ def test_the_fused_op_has_the_output_shape_a_compiled_tower_traces():
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    y = x.double() @ weight.double().t() + bias.double()
+    y = x.double() @ weight.double().t() + bias.double()  # fp64: what both bf16 paths are compared with
     return y * torch.sigmoid(1.702 * y)
 
 
