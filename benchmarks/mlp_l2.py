@@ -80,7 +80,8 @@ def main() -> None:
             got = fn(x, *weights)
             ms = bench(lambda fn=fn: fn(x, *weights))
             rows[f"rows{chunk}_compiled"] = {
-                "ms": round(ms, 4), "tflops": round(flop / ms / 1e9, 1), "x_whole": round(rows["whole_compiled"]["ms"] / ms, 3),
+                "ms": round(ms, 4), "tflops": round(flop / ms / 1e9, 1),
+                "x_whole": round(rows["whole_compiled"]["ms"] / ms, 3),
                 "max_abs_diff_vs_whole": (got.float() - reference.float()).abs().max().item(),
                 "bitwise_equal_whole": bool(torch.equal(got, reference))}
         except Exception as exc:  # noqa: BLE001 - reported, the next size still runs

@@ -506,8 +506,6 @@ def encode_only(args, spec, root: Path, device: str) -> dict:
                 # the tower before stitch_vit (round 23): transformers' sdpa, torch's kernel pick, everything else alike
                 "stitch_eager_sdpa": (None, True, {"attn": "sdpa"}),
                 "stitch_compile_sdpa": ("default", True, {"attn": "sdpa"}),
-                "stitch_compile_chunk2048": ("default", True, {"chunk": 2048}),
-                "stitch_compile_chunk512": ("default", True, {"chunk": 512}),
                 # a call's chunks encoded on two streams in turn (ClipImageEncoder.compute_streams at 2a2dcfb: +1.5-2 %
                 # on a power-throttled H200, not shipped; BENCHMARKS §0v)
                 "stitch_compile_2s": ("default", True, {"streams": 2}),
@@ -739,7 +737,7 @@ def main() -> None:
     ap.add_argument("--variants", default="stitch_eager,stitch_eager_serial,stitch_compile,stitch_compile_serial",
                     help="also: stitch_reduce_overhead, stitch_channels_last, stitch_max_autotune (minutes), "
                     "stitch_{eager,compile}_prev (--prev-encoder), stitch_compile_{flash,efficient,cudnn,math} (sdpa "
-                    "restricted to one backend), stitch_compile_eager_attn, stitch_{eager,compile}_sdpa (the tower before stitch_vit), stitch_compile_h<H>_w<W> (stitch_vit launched so), stitch_compile_chunk2048, stitch_compile_qkv[_flash,_efficient] (q, k, v as one GEMM)")
+                    "restricted to one backend), stitch_compile_eager_attn, stitch_{eager,compile}_sdpa (the tower before stitch_vit), stitch_compile_h<H>_w<W> (stitch_vit launched so), stitch_{compile,reduce_overhead}_chunk<N> (N images a compiled call), stitch_compile_mlp<R> (MLPs in R-row chunks), stitch_compile_unfused (the MLPs not one quack GEMM), stitch_compile_qkv[_flash,_efficient] (q, k, v as one GEMM)")
     ap.add_argument("--compile-batches", default="2048", help="batches at which compiled variants run (each "
                                                                 "compile costs tens of seconds)")
     ap.add_argument("--iters", type=int, default=20)

@@ -527,7 +527,6 @@ class ClipImageEncoder:
         model = drop_unused_layers(model)
         patch_embedding_as_gemm(model)
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        self.fused_mlps = 0  # MLPs whose fc1 + bias + quick-GELU ``compile`` made one GEMM
         self.processor = processor
         self.pixels = ClipPixels(processor)
         self.device = device
@@ -547,6 +546,13 @@ class ClipImageEncoder:
         # contiguous: compiled, the last residual add writes the patch rows directly; eager, one copy
         return self.model(pixel_values=pixels).last_hidden_state[:, 1:, :].contiguous()
 
+    @property
+    def fused_mlps(self) -> int:
+        """MLPs whose fc1 + bias + quick-GELU ``compile`` made one GEMM (``stitch_clip.gemm``)."""
+        from stitch_clip.gemm import fused_count
+
+        return fused_count(self.model)
+
     def compile(self, batch_size: int) -> None:
         """``torch.compile`` the tower for batches of ``batch_size``, or of ``pipeline_chunk`` when that is smaller
         (the chunks a large batch is copied and encoded in); smaller ones are padded to it: one graph, no
@@ -558,7 +564,7 @@ class ClipImageEncoder:
         prepare compiles for large jobs (``data.prepare.compile``), serving encodes one image at a time."""
         from stitch_clip.gemm import fuse_where_it_runs
 
-        self.fused_mlps += fuse_where_it_runs(self.model, self.device, self.dtype)
+        fuse_where_it_runs(self.model, self.device, self.dtype)
         self._tower = torch.compile(self._patches, dynamic=False)
         self.compiled_batch = min(batch_size, self.pipeline_chunk or batch_size)
 

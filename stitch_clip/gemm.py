@@ -113,6 +113,11 @@ def fuse_quick_gelu(model: Any) -> int:
     return switched
 
 
+def fused_count(model: Any) -> int:
+    """How many MLPs of ``model`` are ``FusedQuickGeluMLP`` now."""
+    return sum(isinstance(module, FusedQuickGeluMLP) for module in model.modules())
+
+
 def unfuse_quick_gelu(model: Any) -> int:
     """Switch every MLP ``fuse_quick_gelu`` switched back to the class it had; the number switched."""
     original = {fused: cls for cls, fused in _FUSED_CLASSES.items()}

@@ -47,7 +47,7 @@ def test_fusing_switches_every_quick_gelu_mlp_and_off_the_gpu_it_computes_the_sa
     model = model.to(torch.bfloat16)  # half precision off the GPU: still transformers' MLP
     with torch.no_grad():
         switched = model(pixel_values=pixels.bfloat16()).last_hidden_state
-        assert gemm.unfuse_quick_gelu(model) == 2 and fused(model) == 0  # back to the classes they had
+        assert gemm.unfuse_quick_gelu(model) == 2 and gemm.fused_count(model) == 0  # back to the classes they had
         assert torch.equal(switched, model(pixel_values=pixels.bfloat16()).last_hidden_state)
 
 
@@ -55,25 +55,23 @@ def test_fusing_switches_every_quick_gelu_mlp_and_off_the_gpu_it_computes_the_sa
 def test_an_mlp_with_another_activation_or_a_width_tma_cannot_tile_is_not_switched(clip_tiny, config):
     model = tiny_tower(clip_tiny, **config)
     assert gemm.fuse_quick_gelu(model) == 0
-    assert not any(isinstance(m, gemm.FusedQuickGeluMLP) for m in model.modules())
-
-
-def fused(model) -> int:
-    return sum(isinstance(m, gemm.FusedQuickGeluMLP) for m in model.modules())
+    assert gemm.fused_count(model) == 0
 
 
 def test_the_encoder_fuses_its_mlps_when_it_compiles_and_only_on_a_hopper_gpu(clip_tiny, monkeypatch):
     assert not gemm.hopper("cpu")
     encoder = clip_tiny.load(clip_tiny.source, "cpu", torch.bfloat16)
     encoder.compile(8)  # torch.compile wraps the tower; nothing compiles until a call
-    assert encoder.fused_mlps == fused(encoder.model) == 0
+    assert encoder.fused_mlps == gemm.fused_count(encoder.model) == 0
     monkeypatch.setattr(gemm, "hopper", lambda device: True)
     checked = []
     monkeypatch.setattr(gemm, "check", checked.append)
     encoder = clip_tiny.load(clip_tiny.source, "cpu", torch.bfloat16)
-    assert fused(encoder.model) == 0 and not checked  # loading alone: serving's one-image encodes, small prepares
+    # loading alone (serving's one-image encodes, small prepares) fuses nothing
+    assert gemm.fused_count(encoder.model) == 0 and not checked
     encoder.compile(8)
-    assert encoder.fused_mlps == fused(encoder.model) == encoder.model.config.num_hidden_layers == 1  # one layer kept
+    # prepare keeps one of the tiny tower's two layers
+    assert encoder.fused_mlps == gemm.fused_count(encoder.model) == encoder.model.config.num_hidden_layers == 1
     encoder.compile(8)  # again: nothing more to switch, the kernel checked once
     assert encoder.fused_mlps == 1 and len(checked) == 1
 
@@ -88,7 +86,7 @@ def test_where_the_fused_gemm_fails_its_check_fusing_warns_and_keeps_transformer
     monkeypatch.setattr(gemm, "check", broken)
     with pytest.warns(RuntimeWarning, match="no kernel image.*stay transformers' own"):
         assert gemm.fuse_where_it_runs(model, "cuda", torch.bfloat16) == 0
-    assert not any(isinstance(m, gemm.FusedQuickGeluMLP) for m in model.modules())
+    assert gemm.fused_count(model) == 0
     checked = []
     monkeypatch.setattr(gemm, "check", checked.append)
     assert gemm.fuse_where_it_runs(model, "cuda", torch.float32) == 0  # fp32: not the kernel's
