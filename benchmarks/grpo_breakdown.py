@@ -122,6 +122,7 @@ def run_mode(
     no_features = torch.empty(0, IMAGE_TOKENS, FEATURE_WIDTH, dtype=torch.bfloat16)
     part = {"name": "rollout"}
     clip_s = {}
+    last = {}  # the latest step's micro-batches, for --profile-logprobs
 
     def encode(row_ids):
         """Baseline only: the frozen tower on these rows' raw pixels, charged to the running part's clip_s."""
@@ -169,6 +170,7 @@ def run_mode(
                 [Sample(s.row_id, s.input_ids + c.token_ids, [-100] * len(s.input_ids) + c.token_ids, f)]
             )
         chunks, batches = micro_batches(samples, PAD_ID, opts.micro_batch_size, device)
+        last.update(chunks=chunks, batches=batches, adv=adv)
         lap("reward_collate")
         part["name"] = "logprobs"
         old_lp, ref_lp, mask = score_rollouts(model, batches, opts.temperature, ref_params, sentinels, prepare=fed)
@@ -225,10 +227,47 @@ def run_mode(
             lambda: engine.generate(embeds, opts.group_size, opts.max_new_tokens, opts.temperature),
             args.profile_rollout, top=40)
         result["rollout_profile"]["decode_steps"] = opts.max_new_tokens
+    if args.profile_logprobs and mode in args.profile_modes.split(","):
+        result["logprobs_profile"], result["train_profile"] = profile_scoring(
+            model, last, ref_params, opts, sentinels, fed, args.profile_logprobs)
     result["decode_path"] = engine.decode_path
     steps = getattr(engine.decoder, "_steps", {})
     result["decode_graphs"] = sum(s.graph is not None for s in steps.values())
     return result
+
+
+def profile_scoring(model, last: dict, ref_params: dict, opts, sentinels: list, fed, steps: int) -> tuple[dict, dict]:
+    """The last step's log-prob pass (policy + reference, no grad) and its policy-gradient pass (forward + backward,
+    gradients dropped after), each timed wall-clock over ``steps`` synchronised calls and then profiled."""
+    from benchmarks.sft_throughput import profile_steps, sync
+    from stitch.stages.grpo import policy_gradients, score_rollouts
+
+    batches, chunks = last["batches"], last["chunks"]
+    model.eval()
+    with torch.no_grad():
+        old_lp, ref_lp, mask = score_rollouts(model, batches, opts.temperature, ref_params, sentinels, prepare=fed)
+
+    def scoring():
+        model.eval()
+        with torch.no_grad():
+            score_rollouts(model, batches, opts.temperature, ref_params, sentinels, prepare=fed)
+
+    def gradients():
+        policy_gradients(model, chunks, batches, old_lp, ref_lp, last["adv"], mask, opts, sentinels, prepare=fed)
+        model.zero_grad(set_to_none=True)
+
+    out = []
+    for fn in (scoring, gradients):
+        sync()
+        t = now()
+        for _ in range(steps):
+            fn()
+        sync()
+        wall = (now() - t) / steps
+        prof = profile_steps(fn, steps, top=30)
+        prof["wall_ms_per_call"] = round(wall * 1000, 2)
+        out.append(prof)
+    return out[0], out[1]
 
 
 def decode_parity(model, prompts, ids, device, rows: int = 8, tokens: int = 64) -> dict:
@@ -390,6 +429,8 @@ def main() -> None:
     ap.add_argument("--text-max", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile-rollout", type=int, default=0, help="profile N extra rollouts of --profile-modes")
+    ap.add_argument("--profile-logprobs", type=int, default=0,
+                    help="time and profile N more log-prob and policy-gradient passes of --profile-modes")
     ap.add_argument("--profile-modes", default="stitch")
     ap.add_argument("--skip-parity", action="store_true", help="skip the greedy fixed-cache vs generate check")
     ap.add_argument("--micro-batch-size", type=int, default=None, help="GRPOOptions.micro_batch_size")

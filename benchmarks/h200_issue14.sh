@@ -146,6 +146,13 @@
 #                                             # prepare on 16k and 64k JPEGs, encode against the unfused tower (carry
 #                                             # .whl-quack2 .whl-pydantic after calls that kept .whl-quack1 in /tmp/quack
 #                                             # and .whl-demo in /tmp/whl-demo)
+#   bash benchmarks/h200_issue14.sh grpo25     # GRPO's step on the shipped code: the rollout GPU tests and a mutation,
+#                                             # the breakdown with stitch's engine and generate in one process (carry
+#                                             # .whl-liger .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh final25    # the fused MLP's GPU tests at the final code and the rollout's, each with
+#                                             # a mutation; GRPO's log-prob and gradient passes profiled (carry
+#                                             # .whl-quack2 .whl-pydantic .whl-liger after a call that kept .whl-quack1
+#                                             # in /tmp/quack)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -1182,6 +1189,29 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     encode_runs $tag stitch_compile,stitch_compile_unfused stitch_compile_unfused,stitch_compile
     # more than the 8 files a call brings back: one archive
     (cd "$OUT" && tar czf "$tag.tgz" ./*.json ./*.log && rm -f ./*.json ./*.log)
+    ;;
+  grpo25)  # round 25: GRPO's step on the code that ships (last timed in round 4, before the SFT step's CUDA graphs,
+    # fused AdamW and the LoRA changes): the rollout engine's GPU tests (+ a mutation: the fixed cache no longer
+    # stores the new keys), then the breakdown with the fixed-cache engine and transformers' generate in one process
+    tests_and_mutation stitch/rollout/decode.py '/self.keys\[layer_idx\].index_copy_(2, self.slots, key)/d' \
+      "gpu or cuda" tests/test_decode_static.py \
+      tests/test_cuda_graphs.py
+    timeout 330 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch,generate --prompts 8 --group 8 \
+      --micro-batch-size 16 --steps 3 --warmup 1 --skip-parity --profile-rollout 1 --tag _round25 --out "$OUT" 2>&1 \
+      | tee "$OUT/grpo.log" | grep -E "^(stitch|generate) \||rollout tok/s|Error" | cut -c1-250
+    ;;
+  final25)  # round 25's GPU checks of the code that ships: the fused MLP's tests at its final code (+ the dropped-bias
+    # mutation; carry .whl-quack2 .whl-pydantic after a call that kept .whl-quack1 in /tmp/quack), then the rollout
+    # engine's GPU tests with the fp32 graph-against-generate test (+ grpo25's mutation, which the bf16 test missed)
+    use_quack
+    fused_mlp_tests_and_mutation
+    for f in gpu_tests gpu_tests_mutated; do mv "$OUT/$f.log" "$OUT/${f}_fused_mlp.log"; done
+    tests_and_mutation stitch/rollout/decode.py '/self.keys\[layer_idx\].index_copy_(2, self.slots, key)/d' \
+      "gpu or cuda" tests/test_decode_static.py
+    # where GRPO's log-prob pass goes (0.92 s in grpo25, more than the 0.61 s forward + backward of the train part)
+    timeout 240 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch --prompts 8 --group 8 \
+      --micro-batch-size 16 --steps 2 --warmup 1 --skip-parity --profile-logprobs 2 --tag _round25_profile \
+      --out "$OUT" 2>&1 | tee "$OUT/grpo_profile.log" | grep -E "^stitch \||Error" | cut -c1-250
     ;;
 esac
 ls -la "$OUT"

@@ -149,6 +149,22 @@ def test_cuda_graph_replay_equals_the_eager_fixed_cache_decoder_on_a_gpu():
     assert same >= len(stock) - 2  # bf16 near-ties may flip a row; the rest match generate exactly
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_a_gpu_graphed_fp32_decode_gives_generates_greedy_tokens_and_logprobs_on_every_row():
+    """The bf16 test above compares the graph with the eager fixed-cache decoder (which shares its cache) and
+    tolerates near-tie flips against generate; in fp32 there are none, so every row must be generate's."""
+    lm = tiny_lm("qwen3", device="cuda")
+    fast, stock = engines(lm)
+    embeds = prompts(lm, lengths=(9, 4, 13, 7, 11, 5))
+    ours = fast.generate(embeds, 1, 24, greedy=True)
+    theirs = stock.generate(embeds, 1, 24, greedy=True)
+    assert fast.decoder._steps and all(step.graph is not None for step in fast.decoder._steps.values())
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    assert len({tuple(c.token_ids) for c in ours}) > 1
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
 def test_grouped_decode_attention_equals_sdpa_over_repeated_kv_heads_under_a_key_mask():
     from transformers.integrations.sdpa_attention import repeat_kv
 
