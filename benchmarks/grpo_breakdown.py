@@ -25,6 +25,9 @@ are reset between modes):
                 CUDA-graph decode steps (``stitch.rollout.decode``), the shipped default for full-attention models.
 * ``generate``  the same as ``stitch`` but the engine runs transformers ``generate`` (``static_decode=False``): stock
                 transformers decoding, what the embedded engine shipped before, measured in the same process.
+* ``full_logits`` the same as ``stitch`` but the log-probs (old, reference and the training forward's) come from the
+                full [rows, length, vocab] logits in fp32 (``full_logits_token_logprobs``), as ``token_logprobs``
+                computed them before ``StitchedModel.token_logprobs`` ran the head on labelled positions in chunks.
 * ``baseline``  encoder in the loop (TRL / EasyR1 style): the frozen bf16 CLIP ViT-B/32 tower (sdpa, real
                 config, random init) runs on raw pixels for every forward that needs the image: once on the
                 prompts before the rollout, then on the batch's rows inside the old-log-prob, reference and
@@ -236,6 +239,18 @@ def run_mode(
     return result
 
 
+def full_logits_token_logprobs(model, batch, temperature: float = 1.0, params=None, suppress_ids=()):
+    """``stitch.stages.logprobs.token_logprobs`` as it was before the chunked head (the ``full_logits`` mode)."""
+    from stitch.rollout.engines import mask_suppressed
+    from stitch.stages.logprobs import logits_with
+
+    logits = model.logits(batch) if params is None else logits_with(model, params, batch)
+    logits = mask_suppressed(logits[:, :-1].float(), suppress_ids) / temperature
+    target = batch.labels[:, 1:]
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return lp, target != -100
+
+
 def profile_scoring(model, last: dict, ref_params: dict, opts, sentinels: list, fed, steps: int) -> tuple[dict, dict]:
     """The last step's log-prob pass (policy + reference, no grad) and its policy-gradient pass (forward + backward,
     gradients dropped after), each timed wall-clock over ``steps`` synchronised calls and then profiled."""
@@ -372,6 +387,13 @@ def summarize(info: dict, opts, modes: dict, args) -> dict:
         out["ratio_stitch_over_generate_rollout_tokens_per_s"] = round(
             stitch["rollout_tokens_per_s"] / stock["rollout_tokens_per_s"], 3)
         out["ratio_generate_over_stitch_step_s"] = round(stock["step_s_median"] / stitch["step_s_median"], 3)
+    full = modes.get("full_logits", {})
+    if stitch.get("step_s_median") and full.get("step_s_median"):
+        out["ratio_full_logits_over_stitch"] = {
+            "step_s": round(full["step_s_median"] / stitch["step_s_median"], 4),
+            **{p: round(full["parts_s_median"][p] / stitch["parts_s_median"][p], 4) for p in ("logprobs", "train")},
+            "peak_gib": round(full["peak_gib"] / stitch["peak_gib"], 4) if stitch.get("peak_gib") else None,
+        }
     if stitch.get("step_s_median") and base.get("step_s_median"):
         out["ratio_baseline_over_stitch_step_s"] = round(base["step_s_median"] / stitch["step_s_median"], 4)
         out["ratio_by_part"] = {
@@ -406,6 +428,8 @@ def print_table(out: dict) -> None:
         "mean completion tokens: "
         + ", ".join(f"{m} {r.get('mean_completion_tokens')}" for m, r in out["modes"].items())
     )
+    if "ratio_full_logits_over_stitch" in out:
+        log(f"full_logits / stitch: {out['ratio_full_logits_over_stitch']}")
     if "ratio_stitch_over_generate_rollout_tokens_per_s" in out:
         log(f"rollout tok/s stitch / generate = {out['ratio_stitch_over_generate_rollout_tokens_per_s']}, "
             f"step s generate / stitch = {out['ratio_generate_over_stitch_step_s']}")
@@ -487,12 +511,19 @@ def main() -> None:
 
     for mode in args.modes.split(","):
         clip = clip_tower(device, args.smoke) if mode == "baseline" else None
+        import stitch.stages.grpo as grpo_stage
+
+        shipped = grpo_stage.token_logprobs
+        if mode == "full_logits":
+            grpo_stage.token_logprobs = full_logits_token_logprobs
         try:
             modes[mode] = run_mode(
                 mode, model, reference, anchor, prompts, pixels, opts, args, ids, device, clip
             )
         except torch.OutOfMemoryError as exc:
             modes[mode] = {"mode": mode, "error": f"OOM: {str(exc)[:300]}"}
+        finally:
+            grpo_stage.token_logprobs = shipped
         clip = None
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         log(

@@ -150,7 +150,8 @@
 #                                             # the breakdown with stitch's engine and generate in one process (carry
 #                                             # .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh final25    # the fused MLP's GPU tests at the final code and the rollout's, each with
-#                                             # a mutation; GRPO's log-prob and gradient passes profiled (carry
+#                                             # a mutation; GRPO with the chunked log-prob head against full logits,
+#                                             # both profiled (carry
 #                                             # .whl-quack2 .whl-pydantic .whl-liger after a call that kept .whl-quack1
 #                                             # in /tmp/quack)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
@@ -1208,10 +1209,12 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     for f in gpu_tests gpu_tests_mutated; do mv "$OUT/$f.log" "$OUT/${f}_fused_mlp.log"; done
     tests_and_mutation stitch/rollout/decode.py '/self.keys\[layer_idx\].index_copy_(2, self.slots, key)/d' \
       "gpu or cuda" tests/test_decode_static.py
-    # where GRPO's log-prob pass goes (0.92 s in grpo25, more than the 0.61 s forward + backward of the train part)
-    timeout 240 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch --prompts 8 --group 8 \
-      --micro-batch-size 16 --steps 2 --warmup 1 --skip-parity --profile-logprobs 2 --tag _round25_profile \
-      --out "$OUT" 2>&1 | tee "$OUT/grpo_profile.log" | grep -E "^stitch \||Error" | cut -c1-250
+    # GRPO's log-probs from the head on labelled positions in chunks (shipped) against the full fp32 logits, in one
+    # process, each mode's log-prob and gradient passes timed and profiled (grpo25: log-probs 0.92 s, train 0.61)
+    timeout 330 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch,full_logits --prompts 8 --group 8 \
+      --micro-batch-size 16 --steps 3 --warmup 1 --skip-parity --profile-logprobs 2 --profile-modes stitch,full_logits \
+      --tag _round25_logprobs --out "$OUT" 2>&1 | tee "$OUT/grpo_logprobs.log" \
+      | grep -E "^(stitch|full_logits) \||full_logits /|Error" | cut -c1-250
     ;;
 esac
 ls -la "$OUT"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -130,3 +131,76 @@ def linear_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, target: to
             out = _liger_loss()(head.weight, hidden, target, head.bias)
         return (out[0] if isinstance(out, tuple) else out).float()
     return ChunkedLinearCrossEntropy.apply(hidden, head.weight, head.bias, target, -100, chunk or CHUNK_TOKENS)
+
+
+class ChunkedLinearLogprobs(torch.autograd.Function):
+    """Per-token log-probs of ``target`` under ``softmax(mask(hidden @ weight.T (+ bias)) / temperature)`` in fp32,
+    one chunk of logits at a time; the backward recomputes each chunk's logits (one more head GEMM per chunk) instead
+    of keeping them, so at most one [chunk, vocab] fp32 tensor is alive in either pass."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                target: torch.Tensor, temperature: float, suppress: torch.Tensor | None, chunk: int) -> torch.Tensor:
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lses = torch.empty_like(out)
+        for start in range(0, hidden.shape[0], chunk):
+            z = _scaled_logits(hidden[start:start + chunk], weight, bias, temperature, suppress)
+            lse = torch.logsumexp(z, dim=-1)
+            lses[start:start + chunk] = lse
+            out[start:start + chunk] = z.gather(1, target[start:start + chunk, None]).squeeze(1) - lse
+            del z
+        ctx.save_for_backward(hidden, weight, bias, target, lses, suppress)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        hidden, weight, bias, target, lses, suppress = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[start:start + ctx.chunk]
+            t = target[start:start + ctx.chunk, None]
+            # d lp / d z = one_hot - softmax; z = logits / temperature
+            z = _scaled_logits(h, weight, bias, ctx.temperature, suppress)
+            grad = z.sub_(lses[start:start + ctx.chunk, None]).exp_().neg_()
+            grad.scatter_add_(1, t, torch.ones_like(grad[:, :1]))
+            if suppress is not None:  # a suppressed target (log-prob -inf) sends nothing back, as masked_fill's backward
+                grad.index_fill_(1, suppress, 0.0)
+            grad = grad.mul_(grad_out[start:start + ctx.chunk, None].float() / ctx.temperature).to(h.dtype)
+            if grad_h is not None:
+                grad_h[start:start + ctx.chunk] = grad @ weight
+            if grad_w is not None:
+                grad_w += (grad.t() @ h).float()
+            if grad_b is not None:
+                grad_b += grad.float().sum(0)
+            del z, grad
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+
+
+def _scaled_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+                   suppress: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits of one chunk as the full-logits path computes them: the head in the model's dtype, then fp32,
+    suppressed ids at -inf, divided by the temperature."""
+    z = F.linear(h, weight, bias).float()
+    if suppress is not None:
+        z.index_fill_(1, suppress, float("-inf"))
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+@functools.lru_cache(maxsize=16)
+def _id_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The suppressed ids on ``device``, copied there once (a copy from a Python list waits for the device)."""
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def linear_token_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, target: torch.Tensor, temperature: float = 1.0,
+                          suppress_ids: Sequence[int] = (), chunk: int | None = None) -> torch.Tensor:
+    """fp32 log-prob of each ``target`` (hidden [N, H], target [N], ids >= 0) under ``head(hidden)`` with
+    ``suppress_ids`` at -inf and ``temperature`` applied, never holding more than one chunk of logits."""
+    suppress = _id_tensor(tuple(sorted(set(suppress_ids))), hidden.device) if suppress_ids else None
+    return ChunkedLinearLogprobs.apply(hidden, head.weight, head.bias, target, float(temperature), suppress,
+                                       chunk or CHUNK_TOKENS)

@@ -3,6 +3,7 @@ are scattered into the LM's input embeddings at placeholder positions."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch import nn
 from stitch.data.packing import to_device
 from stitch.model import causal_lm
 from stitch.model.attention import packed_call, use_varlen_attention
-from stitch.model.cross_entropy import linear_cross_entropy
+from stitch.model.cross_entropy import linear_cross_entropy, linear_token_logprobs
 from stitch.model.graphs import keep_eager
 from stitch.model.precision import HALF, lora_in_half_compute, projector_in_half_compute
 from stitch.model.scatter import scatter_soft_tokens
@@ -101,8 +102,10 @@ class StitchedModel(nn.Module):
             row_ids=row_ids, positions=None if index is None else (index.placeholders, index.n_placeholders),
         )
 
-    def forward(self, batch: Any) -> torch.Tensor:
-        return self.logits(batch)
+    def forward(self, batch: Any, logprobs: tuple[float, Sequence[int]] | None = None) -> Any:
+        """The logits, or with ``logprobs=(temperature, suppress_ids)`` ``token_logprobs`` (so that
+        ``torch.func.functional_call`` can score with substituted weights)."""
+        return self.logits(batch) if logprobs is None else self.token_logprobs(batch, *logprobs)
 
     def _causal_lm(self) -> nn.Module:
         return causal_lm(self.lm)
@@ -147,6 +150,38 @@ class StitchedModel(nn.Module):
         if any(getattr(config, field, None) not in (None, 1, 1.0) for field in _LOGIT_TRANSFORMS):
             return None
         return head
+
+    def token_logprobs(self, batch: Any, temperature: float = 1.0,
+                       suppress_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 log-prob of each next label token [rows, length - 1], 0 where unlabelled; the label mask) under the
+        distribution an engine samples from: ``suppress_ids`` at -inf, ``temperature`` applied.
+
+        The head runs on labelled positions only, one chunk at a time (``linear_token_logprobs``): no [rows, length,
+        vocab] logits, and none for prompt positions. Models whose logits are more than ``head(hidden)`` take the
+        full logits."""
+        target = batch.labels[:, 1:]
+        mask = target != -100
+        head = self._plain_head()
+        if head is None:
+            from stitch.rollout.engines import mask_suppressed
+
+            logits = mask_suppressed(self.logits(batch)[:, :-1].float(), suppress_ids) / temperature
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            return torch.where(mask, lp, 0.0), mask  # not lp * mask: a suppressed id 0 gives -inf off the labels
+        index = self.host_index(batch)
+        hidden = self.hidden_states(batch)
+        rows, length = batch.labels.shape
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        # flat positions p over [rows * length] whose next token is labelled: from the host copy (no sync) or found
+        if index is not None:
+            where = index.labels
+        else:
+            found = mask.nonzero()
+            where = found[:, 0] * length + found[:, 1]
+        picked = batch.labels.reshape(-1).index_select(0, where + 1)
+        lp = linear_token_logprobs(flat.index_select(0, where), head, picked, temperature, suppress_ids)
+        out = torch.zeros(rows * length, dtype=lp.dtype, device=lp.device).index_add(0, where, lp)
+        return out.view(rows, length)[:, :-1], mask
 
     def loss(self, batch: Any) -> tuple[torch.Tensor, int]:
         """Mean next-token cross-entropy over labelled tokens; returns (loss, labelled token count).

@@ -20,7 +20,12 @@ def logits_with(model: Any, params: dict[str, torch.Tensor], batch: Any) -> torc
 def token_logprobs(model: Any, batch: Any, temperature: float = 1.0, params: dict[str, torch.Tensor] | None = None,
                    suppress_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each next label token, mask of label positions) under ``model`` (or ``params`` substituted
-    into it), over the distribution an engine samples from (``suppress_ids`` masked, ``temperature`` applied)."""
+    into it), over the distribution an engine samples from (``suppress_ids`` masked, ``temperature`` applied).
+    Only positions under the mask carry a log-prob."""
+    if hasattr(model, "token_logprobs"):  # StitchedModel: the head on labelled positions only, in chunks
+        if params is None:
+            return model.token_logprobs(batch, temperature, suppress_ids)
+        return functional_call(model, params, (batch,), {"logprobs": (temperature, suppress_ids)}, strict=False)
     logits = model.logits(batch) if params is None else logits_with(model, params, batch)
     logits = mask_suppressed(logits[:, :-1].float(), suppress_ids) / temperature
     target = batch.labels[:, 1:]
