@@ -115,3 +115,49 @@ def test_chunked_logprobs_function_gives_autograds_gradients_for_hidden_head_wei
     theirs = torch.autograd.grad(want, [hidden, head.weight, head.bias], grad_out)
     for a, b in zip(ours, theirs, strict=True):
         assert a.dtype == b.dtype and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_rows_and_a_batch_without_labels_score_as_their_full_logits_do():
+    """qwen3.5-tiny takes the packed path (several samples a row, sample starts instead of a mask)."""
+    model = build("qwen3.5-tiny")
+    pack = samples(model, n=4, seed=3)
+    packed = collate_packs([pack[:3], pack[3:]], pad_id=0, packed=True).to("cpu")
+    assert model._packed(packed) and model.host_index(packed) is not None
+    with torch.no_grad():
+        lp, mask = logprobs_module.token_logprobs(model, packed, TEMPERATURE, suppress_ids=SUPPRESS)
+        want, _ = full_logits_logprobs(model, packed, TEMPERATURE, SUPPRESS)
+    assert mask.sum() > 20 and torch.allclose(lp, want, atol=1e-5, rtol=0)
+    unlabelled = dataclasses.replace(packed, labels=torch.full_like(packed.labels, -100), host=None)
+    lp, mask = logprobs_module.token_logprobs(model, unlabelled, TEMPERATURE, suppress_ids=SUPPRESS)
+    assert not mask.any() and torch.equal(lp, torch.zeros_like(lp))
+
+
+def test_with_id_0_suppressed_unlabelled_positions_hold_0_and_the_grpo_loss_is_finite_on_both_paths(monkeypatch):
+    """Off the labels the gather reads id 0; suppressed, its log-prob is -inf, and -inf * 0 in the masked GRPO loss is
+    NaN. The full-logits path (models whose logits are more than head(hidden)) zeroes those positions too."""
+    from stitch.stages.grpo import grpo_loss
+
+    model = build("qwen3.5-demo")
+    batch = collate_packs([[s] for s in samples(model, n=3, seed=4)], pad_id=0, packed=False).to("cpu")
+    chunked, mask = logprobs_module.token_logprobs(model, batch, TEMPERATURE, suppress_ids=SUPPRESS)
+    monkeypatch.setattr(type(model), "_plain_head", lambda self: None)
+    full, _ = logprobs_module.token_logprobs(model, batch, TEMPERATURE, suppress_ids=SUPPRESS)
+    assert 0 in SUPPRESS and (~mask).any()
+    assert torch.allclose(chunked, full, atol=1e-5, rtol=0)
+    for lp in (chunked, full):
+        assert torch.equal(lp[~mask], torch.zeros_like(lp[~mask]))
+        loss, _ = grpo_loss(lp, lp.detach(), lp.detach(), torch.ones(lp.shape[0]), mask, 0.2, 0.04)
+        assert torch.isfinite(loss)
+        loss.backward()
+
+
+def test_suppressed_ids_first_asked_for_under_inference_mode_still_serve_a_training_call():
+    cross_entropy._id_tensor.cache_clear()
+    hidden = torch.randn(6, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 11)
+    target = torch.tensor([1, 2, 3, 4, 5, 6])
+    with torch.inference_mode():
+        cross_entropy.linear_token_logprobs(hidden, head, target, 1.0, [9, 10])
+    lp = cross_entropy.linear_token_logprobs(hidden, head, target, 1.0, [9, 10])
+    lp.sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0

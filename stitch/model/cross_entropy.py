@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 # tokens per chunk: 4,096 x 151,936 fp32 logits are 2.3 GiB; a 1,024-token chunk is a quarter of that
 CHUNK_TOKENS = 1024
@@ -154,6 +155,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         hidden, weight, bias, target, lses, suppress = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -193,8 +195,10 @@ def _scaled_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 @functools.lru_cache(maxsize=16)
 def _id_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The suppressed ids on ``device``, copied there once (a copy from a Python list waits for the device)."""
-    return torch.tensor(ids, dtype=torch.long, device=device)
+    """The suppressed ids on ``device``, copied there once (a copy from a Python list waits for the device); a normal
+    tensor even when first asked for under ``inference_mode`` (autograd cannot save an inference tensor)."""
+    with torch.inference_mode(False):
+        return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def linear_token_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, target: torch.Tensor, temperature: float = 1.0,
@@ -204,3 +208,18 @@ def linear_token_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, target: t
     suppress = _id_tensor(tuple(sorted(set(suppress_ids))), hidden.device) if suppress_ids else None
     return ChunkedLinearLogprobs.apply(hidden, head.weight, head.bias, target, float(temperature), suppress,
                                        chunk or CHUNK_TOKENS)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                         suppress_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 log-prob of each next label token [rows, length - 1], 0 where unlabelled; the label mask) from full
+    logits [rows, length, vocab], ``suppress_ids`` at -inf and ``temperature`` applied: the path for models whose
+    logits are more than ``head(hidden)``. Off the labels the gather reads id 0, -inf where that id is suppressed:
+    those positions are zeroed, not multiplied by the mask (which would give NaN)."""
+    z = logits[:, :-1].float()
+    if suppress_ids:
+        z = z.index_fill(-1, _id_tensor(tuple(sorted(set(suppress_ids))), z.device), float("-inf"))
+    target = labels[:, 1:]
+    mask = target != -100
+    lp = torch.log_softmax(z / temperature, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(mask, lp, 0.0), mask

@@ -13,7 +13,7 @@ from torch import nn
 from stitch.data.packing import to_device
 from stitch.model import causal_lm
 from stitch.model.attention import packed_call, use_varlen_attention
-from stitch.model.cross_entropy import linear_cross_entropy, linear_token_logprobs
+from stitch.model.cross_entropy import linear_cross_entropy, linear_token_logprobs, logprobs_from_logits
 from stitch.model.graphs import keep_eager
 from stitch.model.precision import HALF, lora_in_half_compute, projector_in_half_compute
 from stitch.model.scatter import scatter_soft_tokens
@@ -159,15 +159,10 @@ class StitchedModel(nn.Module):
         The head runs on labelled positions only, one chunk at a time (``linear_token_logprobs``): no [rows, length,
         vocab] logits, and none for prompt positions. Models whose logits are more than ``head(hidden)`` take the
         full logits."""
-        target = batch.labels[:, 1:]
-        mask = target != -100
         head = self._plain_head()
         if head is None:
-            from stitch.rollout.engines import mask_suppressed
-
-            logits = mask_suppressed(self.logits(batch)[:, :-1].float(), suppress_ids) / temperature
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            return torch.where(mask, lp, 0.0), mask  # not lp * mask: a suppressed id 0 gives -inf off the labels
+            return logprobs_from_logits(self.logits(batch), batch.labels, temperature, suppress_ids)
+        mask = batch.labels[:, 1:] != -100
         index = self.host_index(batch)
         hidden = self.hidden_states(batch)
         rows, length = batch.labels.shape

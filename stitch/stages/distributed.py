@@ -93,8 +93,10 @@ class DataParallel:
             fully_shard(layer, mesh=mesh)
         fully_shard(model.projector, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        # training calls model.loss(), not forward(): the root unit must gather around it too
+        # training calls model.loss() (and GRPO/DPO's log-probs model.token_logprobs()), not forward(): the root
+        # unit must gather around them too
         register_fsdp_forward_method(model, "loss")
+        register_fsdp_forward_method(model, "token_logprobs")
         return model
 
     def build_sharded(self, binding: Any, args: dict[str, Any], resume_from: Any = None,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from stitch.rollout.engines import mask_suppressed
+from stitch.model.cross_entropy import logprobs_from_logits
 
 
 def logits_with(model: Any, params: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
@@ -27,11 +27,7 @@ def token_logprobs(model: Any, batch: Any, temperature: float = 1.0, params: dic
             return model.token_logprobs(batch, temperature, suppress_ids)
         return functional_call(model, params, (batch,), {"logprobs": (temperature, suppress_ids)}, strict=False)
     logits = model.logits(batch) if params is None else logits_with(model, params, batch)
-    logits = mask_suppressed(logits[:, :-1].float(), suppress_ids) / temperature
-    target = batch.labels[:, 1:]
-    mask = target != -100
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return lp, mask
+    return logprobs_from_logits(logits, batch.labels, temperature, suppress_ids)
 
 
 def sequence_logprob(model: Any, batch: Any, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
