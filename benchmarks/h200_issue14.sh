@@ -154,6 +154,8 @@
 #                                             # both profiled (carry
 #                                             # .whl-quack2 .whl-pydantic .whl-liger after a call that kept .whl-quack1
 #                                             # in /tmp/quack)
+#   bash benchmarks/h200_issue14.sh grpo25b    # the final code: GRPO with the chunked log-prob head and with full
+#                                             # logits in one process (carry .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -1215,6 +1217,12 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
       --micro-batch-size 16 --steps 3 --warmup 1 --skip-parity --profile-logprobs 2 --profile-modes stitch,full_logits \
       --tag _round25_logprobs --out "$OUT" 2>&1 | tee "$OUT/grpo_logprobs.log" \
       | grep -E "^(stitch|full_logits) \||full_logits /|Error" | cut -c1-250
+    ;;
+  grpo25b)  # round 25's final code (the log-prob head after its review): GRPO with the chunked head and with full
+    # logits in one process, no profile
+    timeout 300 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch,full_logits --prompts 8 --group 8 \
+      --micro-batch-size 16 --steps 3 --warmup 1 --skip-parity --tag _round25_final --out "$OUT" 2>&1 \
+      | tee "$OUT/grpo_final.log" | grep -E "^(stitch|full_logits) \||full_logits /|Error" | cut -c1-250
     ;;
 esac
 ls -la "$OUT"
