@@ -509,11 +509,11 @@ def main() -> None:
         write_result(name, {"config": vars(args), "kernels": kernels, **out}, args.out)
         return out
 
+    import stitch.stages.grpo as grpo_stage
+
+    shipped = grpo_stage.token_logprobs  # the full_logits mode swaps it for its own run only
     for mode in args.modes.split(","):
         clip = clip_tower(device, args.smoke) if mode == "baseline" else None
-        import stitch.stages.grpo as grpo_stage
-
-        shipped = grpo_stage.token_logprobs
         if mode == "full_logits":
             grpo_stage.token_logprobs = full_logits_token_logprobs
         try:

@@ -201,13 +201,17 @@ def _id_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=device)
 
 
+def _suppressed(suppress_ids: Sequence[int], device: torch.device) -> torch.Tensor | None:
+    """``suppress_ids`` as a cached id tensor on ``device`` (``_id_tensor``), or None when there are none."""
+    return _id_tensor(tuple(sorted(set(suppress_ids))), device) if suppress_ids else None
+
+
 def linear_token_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, target: torch.Tensor, temperature: float = 1.0,
                           suppress_ids: Sequence[int] = (), chunk: int | None = None) -> torch.Tensor:
     """fp32 log-prob of each ``target`` (hidden [N, H], target [N], ids >= 0) under ``head(hidden)`` with
     ``suppress_ids`` at -inf and ``temperature`` applied, never holding more than one chunk of logits."""
-    suppress = _id_tensor(tuple(sorted(set(suppress_ids))), hidden.device) if suppress_ids else None
-    return ChunkedLinearLogprobs.apply(hidden, head.weight, head.bias, target, float(temperature), suppress,
-                                       chunk or CHUNK_TOKENS)
+    return ChunkedLinearLogprobs.apply(hidden, head.weight, head.bias, target, float(temperature),
+                                       _suppressed(suppress_ids, hidden.device), chunk or CHUNK_TOKENS)
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
@@ -217,8 +221,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     logits are more than ``head(hidden)``. Off the labels the gather reads id 0, -inf where that id is suppressed:
     those positions are zeroed, not multiplied by the mask (which would give NaN)."""
     z = logits[:, :-1].float()
-    if suppress_ids:
-        z = z.index_fill(-1, _id_tensor(tuple(sorted(set(suppress_ids))), z.device), float("-inf"))
+    suppress = _suppressed(suppress_ids, z.device)
+    if suppress is not None:
+        z = z.index_fill(-1, suppress, float("-inf"))
     target = labels[:, 1:]
     mask = target != -100
     lp = torch.log_softmax(z / temperature, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)

@@ -162,21 +162,24 @@ class StitchedModel(nn.Module):
         head = self._plain_head()
         if head is None:
             return logprobs_from_logits(self.logits(batch), batch.labels, temperature, suppress_ids)
-        mask = batch.labels[:, 1:] != -100
-        index = self.host_index(batch)
-        hidden = self.hidden_states(batch)
+        where, hidden, picked = self._labelled(batch, self.host_index(batch))
+        lp = linear_token_logprobs(hidden, head, picked, temperature, suppress_ids)
         rows, length = batch.labels.shape
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        # flat positions p over [rows * length] whose next token is labelled: from the host copy (no sync) or found
+        out = torch.zeros(rows * length, dtype=lp.dtype, device=lp.device).index_add(0, where, lp)
+        return out.view(rows, length)[:, :-1], batch.labels[:, 1:] != -100
+
+    def _labelled(self, batch: Any, index: HostIndex | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(flat positions p over [rows * length] whose next token is labelled, the decoder's last hidden states at
+        them, those next tokens), in row-major order. The positions come from the batch's host copy (no sync) or,
+        without one, are found on the device."""
+        hidden = self.hidden_states(batch)
         if index is not None:
             where = index.labels
         else:
-            found = mask.nonzero()
-            where = found[:, 0] * length + found[:, 1]
+            found = (batch.labels[:, 1:] != -100).nonzero()
+            where = found[:, 0] * batch.labels.shape[1] + found[:, 1]
         picked = batch.labels.reshape(-1).index_select(0, where + 1)
-        lp = linear_token_logprobs(flat.index_select(0, where), head, picked, temperature, suppress_ids)
-        out = torch.zeros(rows * length, dtype=lp.dtype, device=lp.device).index_add(0, where, lp)
-        return out.view(rows, length)[:, :-1], mask
+        return where, hidden.reshape(-1, hidden.shape[-1]).index_select(0, where), picked
 
     def loss(self, batch: Any) -> tuple[torch.Tensor, int]:
         """Mean next-token cross-entropy over labelled tokens; returns (loss, labelled token count).
@@ -185,21 +188,14 @@ class StitchedModel(nn.Module):
         (``Batch.to``) the labelled positions come from the host: the same tokens in the same order, no sync."""
         index = self.host_index(batch)
         head = self._plain_head()
-        if index is not None and head is not None:
-            hidden = self.hidden_states(batch)
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            picked = batch.labels.reshape(-1).index_select(0, index.labels + 1)
-            loss = linear_cross_entropy(flat.index_select(0, index.labels), head, picked)
-            return loss / max(index.n_labels, 1), index.n_labels
-        target = batch.labels[:, 1:]
-        keep = target != -100
-        n = index.n_labels if index is not None else int(keep.sum())
         if head is None:
+            target = batch.labels[:, 1:]
+            n = index.n_labels if index is not None else int((target != -100).sum())
             logits = self.logits(batch)[:, :-1].float()
             loss = nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
             )
             return loss / max(n, 1), n
-        hidden = self.hidden_states(batch)[:, :-1]
-        loss = linear_cross_entropy(hidden[keep], head, target[keep])
-        return loss / max(n, 1), n
+        where, hidden, picked = self._labelled(batch, index)
+        n = index.n_labels if index is not None else where.numel()
+        return linear_cross_entropy(hidden, head, picked) / max(n, 1), n
