@@ -156,6 +156,8 @@
 #                                             # in /tmp/quack)
 #   bash benchmarks/h200_issue14.sh grpo25b    # the final code: GRPO with the chunked log-prob head and with full
 #                                             # logits in one process (carry .whl-liger .whl-pydantic)
+#   bash benchmarks/h200_issue14.sh final25c   # after the review: dense 4B SFT's packed / baseline / llava / stock in
+#                                             # one process, then GRPO (carry .whl-liger .whl-pydantic)
 #   bash benchmarks/h200_issue14.sh loader15   # prepare's encoder loader thread, step by step (--loader-breakdown)
 # Carry .whl-liger and .whl-pydantic (and .whl for hybrids, from pack_kernels.sh; dist for automodel, the
 # nemo-automodel wheel); results and logs go to $OUT.
@@ -1223,6 +1225,15 @@ stitch_compile_efficient,stitch_compile_cudnn --name "prepare_stitch_round${1#pr
     timeout 300 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch,full_logits --prompts 8 --group 8 \
       --micro-batch-size 16 --steps 3 --warmup 1 --skip-parity --tag _round25_final --out "$OUT" 2>&1 \
       | tee "$OUT/grpo_final.log" | grep -E "^(stitch|full_logits) \||full_logits /|Error" | cut -c1-250
+    ;;
+  final25c)  # after the review that made StitchedModel.loss share _labelled with token_logprobs: dense 4B SFT's four
+    # modes in one process (the issue's dense targets, last met in round 22), then GRPO's step
+    timeout 300 python3 benchmarks/sft_throughput.py --shapes dense4b --steps 10 --warmup 4 --skip-parity \
+      --modes packed,baseline,llava,stock --tag _round25 --out "$OUT" 2>&1 | tee "$OUT/sft.log" \
+      | grep -E "stock =|(packed|baseline|llava|stock): |capture failed|Error" | cut -c1-300
+    timeout 200 python3 benchmarks/grpo_breakdown.py --shape dense4b --modes stitch --prompts 8 --group 8 \
+      --micro-batch-size 16 --steps 3 --warmup 1 --skip-parity --tag _round25_review --out "$OUT" 2>&1 \
+      | tee "$OUT/grpo_review.log" | grep -E "^stitch \||Error" | cut -c1-250
     ;;
 esac
 ls -la "$OUT"
