@@ -1,12 +1,18 @@
-"""Decoding from prompt embeddings on a fixed-size KV cache: one prefill, then one decode step per token that runs
-as a captured CUDA graph on a GPU (eagerly elsewhere), with transformers ``generate``'s sampling and stopping rules.
+"""Decoding from prompt embeddings on a fixed-size cache: one prefill, then one decode step per token that runs as a
+captured CUDA graph on a GPU (eagerly elsewhere), with transformers ``generate``'s sampling and stopping rules.
 
 transformers' ``generate`` pays its Python and launch overhead on every token (a growing cache, a new mask, logits
 processors): at 32-64 sequences of a 4B model a step took ~60 ms on the H200 for ~2 ms of weight reads. Here the
-cache is preallocated (``SlotKVCache``), the mask is a boolean buffer updated in place, and the whole forward of a
-step is one graph replay. Models qualify when every decoder layer is full attention that writes through
-``past_key_values.update`` and reads a prepared mask dict (``static_decode_unsupported`` says why not otherwise);
-the others keep ``generate``.
+cache is preallocated (``stitch.rollout.slot_cache.SlotCache``: attention keys/values and the recurrent layers'
+conv + recurrent states, one row per sequence), the mask is a boolean buffer updated in place, and the whole forward
+of a step is one graph replay. Models qualify when their decoder layers are full attention that writes through
+``past_key_values.update`` and reads a prepared mask dict, Gated DeltaNet or Mamba-2 layers that keep their states
+through transformers' linear-attention cache interface, MLPs, or MoE blocks whose experts switch implementation
+(``static_decode_unsupported`` says why not otherwise); the others keep ``generate``.
+
+A MoE step routes on the device: its experts run transformers' ``grouped_mm`` (tokens sorted by expert, per-expert
+counts from a histogram, one grouped GEMM over those offsets: no host sync, so the step captures) where torch's
+grouped GEMM takes the weights without a host round trip, else ``batched_mm`` (``decode_experts_implementation``).
 
 A LoRA layer costs a decode step several small kernels (casts, two rank-r products, the scaled add) for a
 product that is ~1 % of its base GEMM: during a rollout the adapter is folded into a copy of each plain LoRA layer's
@@ -27,14 +33,47 @@ import torch
 import torch.nn.functional as F
 
 from stitch.model import causal_lm
+from stitch.rollout.slot_cache import SlotCache
 
 log = logging.getLogger("stitch")
 
-# model types whose decoder takes ``attention_mask={layer_type: mask}`` and ``position_ids`` as given and writes
-# keys/values through ``past_key_values.update(k, v, layer_idx)`` (checked against generate in tests/test_decode_*)
-MODEL_TYPES = ("qwen3", "qwen3_5_text", "qwen2", "llama")
+# model types whose decoder takes ``attention_mask={layer_type: mask}`` and ``position_ids`` as given, writes
+# keys/values through ``past_key_values.update(k, v, layer_idx)`` and keeps recurrent states through
+# ``has_previous_state`` / ``update_conv_state`` / ``update_recurrent_state`` / ``layers[i].{conv,recurrent}_states``
+# (checked against generate in tests/test_decode_*)
+MODEL_TYPES = ("qwen3", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "qwen2", "llama")
+# decoder layer kinds the fixed-size cache serves: attention (KV slots), Gated DeltaNet / Mamba-2 (state slots),
+# and the stateless MLP / MoE blocks of Nemotron-H
+LAYER_KINDS = ("full_attention", "linear_attention", "mlp", "moe")
 ATTENTION = ("sdpa", "stitch_varlen")  # both read a boolean mask; eager adds a float mask instead
 GRAPHS_KEPT = 2  # captured step graphs kept per engine (each holds its cache and a small memory pool)
+
+
+def routed_experts(lm: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """``lm``'s routed-expert modules (transformers names their classes ``*Experts``): those whose forward dispatches
+    on ``config._experts_implementation`` (transformers' ``use_experts_implementation``), and the others."""
+    switchable, fixed = [], []
+    for module in lm.modules():
+        if type(module).__name__.endswith("Experts"):
+            switches = hasattr(module, "is_transposed") and hasattr(getattr(module, "config", None),
+                                                                    "_experts_implementation")
+            (switchable if switches else fixed).append(module)
+    return switchable, fixed
+
+
+def decode_experts_implementation(weight: torch.Tensor) -> str:
+    """The transformers experts implementation a decode step runs for experts holding ``weight``: ``grouped_mm``
+    (each expert's weight read once) where torch's grouped GEMM takes it with the group offsets on the device (CPU;
+    CUDA bf16 from compute capability 8.0), else ``batched_mm`` (each routed token's expert weights gathered: more
+    memory traffic, still no host sync). transformers' own ``grouped_mm`` falls back to a loop that copies the
+    offsets to the host in the other cases, which a CUDA graph cannot capture."""
+    if weight.device.type == "cpu":
+        return "grouped_mm"
+    grouped = hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
+    if (weight.is_cuda and weight.dtype == torch.bfloat16 and grouped
+            and torch.cuda.get_device_capability(weight.device) >= (8, 0)):
+        return "grouped_mm"
+    return "batched_mm"
 
 
 def static_decode_unsupported(lm: torch.nn.Module) -> str | None:
@@ -47,11 +86,17 @@ def static_decode_unsupported(lm: torch.nn.Module) -> str | None:
     if text.model_type not in MODEL_TYPES:
         return f"model type {text.model_type!r} is not one stitch's fixed-cache decoder was checked on {MODEL_TYPES}"
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        return f"layer types {sorted(kinds)}: recurrent or sliding-window layers need transformers' own cache"
+    if not kinds <= set(LAYER_KINDS):
+        return (f"layer types {sorted(kinds - set(LAYER_KINDS))}: the fixed-size cache holds attention keys/values "
+                f"and Gated DeltaNet / Mamba-2 states only ({LAYER_KINDS}); sliding-window layers need "
+                f"transformers' own cache")
     attn = getattr(config, "_attn_implementation", None)
     if attn not in ATTENTION:
         return f"attention {attn!r}: the fixed-cache decoder hands a boolean mask to sdpa"
+    _, fixed = routed_experts(base)
+    if fixed:
+        return (f"{type(fixed[0]).__name__} has no transformers experts-implementation switch: its expert loop "
+                f"reads the routing on the host, which a captured decode step cannot")
     return None
 
 
@@ -117,80 +162,51 @@ class MergedAdapters:
                 del module._rollout_weight
 
 
-class SlotKVCache:
-    """Keys and values of every layer in fixed [rows, kv_heads, length, head_dim] buffers; each ``update`` writes
-    the new keys at the cache slots held in ``slots`` (a device tensor, so a captured graph replays at new slots)
-    and returns the whole buffer. Duck-types the part of transformers' ``Cache`` that attention layers call."""
-
-
-    def __init__(self, length: int, slots: torch.Tensor) -> None:
-        self.length = length
-        self.slots = slots
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    def _allocate(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        while len(self.keys) <= layer:
-            self.keys.append(None)  # type: ignore[arg-type]
-            self.values.append(None)  # type: ignore[arg-type]
-        rows, heads = key.shape[:2]
-        self.keys[layer] = key.new_zeros(rows, heads, self.length, key.shape[-1])
-        self.values[layer] = value.new_zeros(rows, value.shape[1], self.length, value.shape[-1])
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx >= len(self.keys) or self.keys[layer_idx] is None:
-            self._allocate(layer_idx, key, value)
-        self.keys[layer_idx].index_copy_(2, self.slots, key)
-        self.values[layer_idx].index_copy_(2, self.slots, value)
-        return self.keys[layer_idx], self.values[layer_idx]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def grown(self, rows_each: int, length: int) -> SlotKVCache:
-        """A ``length``-slot cache whose first slots hold this one's entries, each row repeated ``rows_each`` times."""
-        out = SlotKVCache(length, torch.zeros(1, dtype=torch.long, device=self.slots.device))
-        for key, value in zip(self.keys, self.values, strict=True):
-            out.keys.append(key.new_zeros(key.shape[0] * rows_each, key.shape[1], length, key.shape[-1]))
-            out.values.append(value.new_zeros(value.shape[0] * rows_each, value.shape[1], length, value.shape[-1]))
-        return out
-
-    def load(self, prompt: SlotKVCache, rows_each: int) -> None:
-        """Overwrite with ``prompt``'s entries (rows repeated ``rows_each`` times); later slots are zeroed."""
-        width = prompt.length
-        for mine, theirs in ((self.keys, prompt.keys), (self.values, prompt.values)):
-            for buf, src in zip(mine, theirs, strict=True):
-                buf[:, :, :width].copy_(src.repeat_interleave(rows_each, dim=0))
-                buf[:, :, width:].zero_()
-
-
 class DecodeStep:
     """One decode step of ``lm`` on static buffers: token ids -> logits of the next token, [rows, vocab].
 
     ``tokens``, ``positions``, ``key_valid`` and the cache's ``slots`` are the inputs, written in place between
-    steps; on CUDA the forward is captured once as a graph and each call replays it."""
+    steps, and the recurrent layers update their state slots in place; on CUDA the forward is captured once as a
+    graph and each call replays it. Routed experts run ``decode_experts_implementation`` inside the step."""
 
-    def __init__(self, lm: torch.nn.Module, prompt_cache: SlotKVCache, rows_each: int, length: int) -> None:
+    def __init__(self, lm: torch.nn.Module, prompt_cache: SlotCache, rows_each: int, length: int) -> None:
         self.lm = lm
         self.cache = prompt_cache.grown(rows_each, length)
         device = self.cache.slots.device
-        rows = self.cache.keys[0].shape[0]
+        rows = self.cache.rows
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.key_valid = torch.zeros(rows, length, dtype=torch.bool, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        experts, _ = routed_experts(lm)
+        self.experts_configs = list({id(m.config): m.config for m in experts}.values())
+        self.experts_implementation = (decode_experts_implementation(next(experts[0].parameters()))
+                                       if experts else None)
+
+    @contextlib.contextmanager
+    def _experts(self) -> Iterator[None]:
+        """The step's experts implementation while it runs (the prefill and training keep the model's own)."""
+        saved = [config._experts_implementation for config in self.experts_configs]
+        for config in self.experts_configs:
+            config._experts_implementation = self.experts_implementation
+        try:
+            yield
+        finally:
+            for config, name in zip(self.experts_configs, saved, strict=True):
+                config._experts_implementation = name
 
     def forward(self) -> torch.Tensor:
-        mask = self.key_valid[:, None, None, :]
-        out = self.lm(input_ids=self.tokens, attention_mask={"full_attention": mask}, position_ids=self.positions,
-                      past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        # a generated token is never padding: the recurrent layers take no mask in a step, as in generate
+        masks = {"full_attention": self.key_valid[:, None, None, :], "linear_attention": None}
+        with self._experts():
+            out = self.lm(input_ids=self.tokens, attention_mask=masks, position_ids=self.positions,
+                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
     def capture(self) -> bool:
         """Capture the step as a CUDA graph (after two warm-up runs on a side stream); False, logged, if it fails."""
-        self.key_valid.fill_(True)  # the warm-up and capture runs write slot 0 of an unused cache
+        self.key_valid.fill_(True)  # warm-up and capture write slot 0 and the states of a cache not loaded yet
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -245,8 +261,8 @@ class StaticDecoder:
         # a graph reads parameters at the addresses it was captured with: a replaced tensor means a new graph
         return hash(tuple(p.data_ptr() for p in self.lm.parameters()))
 
-    def _step(self, prompt_cache: SlotKVCache, rows_each: int, length: int) -> DecodeStep:
-        rows = prompt_cache.keys[0].shape[0] * rows_each
+    def _step(self, prompt_cache: SlotCache, rows_each: int, length: int) -> DecodeStep:
+        rows = prompt_cache.rows * rows_each
         device = prompt_cache.slots.device
         graphs = device.type == "cuda" if self.use_graphs is None else self.use_graphs
         merged = tuple(type(m).forward is _merged_forward for m in self.merged.layers) if self.merged else ()
@@ -290,9 +306,12 @@ class StaticDecoder:
         order = torch.arange(width, device=device)
         allowed = (order[:, None] >= order[None, :]) & valid[:, None, :]
         allowed |= torch.eye(width, dtype=torch.bool, device=device)  # a pad query sees itself: no empty softmax
-        prompt_cache = SlotKVCache(width, order)
-        out = self.lm(inputs_embeds=embeds, attention_mask={"full_attention": allowed[:, None]},
-                      position_ids=positions, past_key_values=prompt_cache, use_cache=True, logits_to_keep=1)
+        prompt_cache = SlotCache(width, order)
+        # recurrent layers zero the padding's inputs, so a left-padded prompt starts from a zero state (generate's
+        # 2-D mask for them)
+        masks = {"full_attention": allowed[:, None], "linear_attention": mask}
+        out = self.lm(inputs_embeds=embeds, attention_mask=masks, position_ids=positions,
+                      past_key_values=prompt_cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         del out
         length = padded_length(width, max_new_tokens)
