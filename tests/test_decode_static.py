@@ -1,6 +1,6 @@
 """The embedded engine's fixed-cache decoder gives what transformers ``generate`` gives: the same greedy tokens and
 log-probs, the same sampled tokens from the same seed, the same stop at EOS, on left-padded prompts of several
-lengths; models it was not checked on keep ``generate``. The CUDA-graph replay is checked against the eager decoder
+lengths; what it cannot serve keeps ``generate``. The CUDA-graph replay is checked against the eager decoder
 on a GPU."""
 
 from __future__ import annotations
@@ -98,13 +98,38 @@ def test_fixed_cache_stops_each_row_at_eos_as_generate_does():
     assert ours[0].token_ids[-1] == eos and len(ours[0].token_ids) <= 6
 
 
-def test_models_with_recurrent_layers_or_eager_attention_keep_generate():
+def test_gated_deltanet_hybrids_decode_on_the_fixed_cache_and_the_remaining_refusals_keep_generate():
+    """Recurrent layers qualify now (tests/test_decode_recurrent.py checks them against generate); eager attention,
+    sliding-window layers, model types never checked and experts without transformers' implementation switch keep
+    generate, and the engine says why."""
+    import transformers
+
     hybrid = tiny_lm("qwen3_5_hybrid")
-    assert "layer types" in EmbeddedEngine(hybrid, PAD, 3).decode_path
-    assert EmbeddedEngine(hybrid, PAD, 3).decoder is None
-    dense = tiny_lm("qwen3")
-    dense.get_base_model().set_attn_implementation("eager")
-    assert "attention 'eager'" in decode.static_decode_unsupported(dense)
+    assert decode.static_decode_unsupported(hybrid) is None
+    assert EmbeddedEngine(hybrid, PAD, 3).decode_path == "fixed-cache decode"
+    hybrid.get_base_model().set_attn_implementation("eager")
+    engine = EmbeddedEngine(hybrid, PAD, 3)
+    assert engine.decoder is None and "attention 'eager'" in engine.decode_path
+
+    small = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    sliding = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **small, use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"]))
+    assert "layer types ['sliding_attention']" in decode.static_decode_unsupported(sliding)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**small))
+    assert "model type 'mistral' is not one" in decode.static_decode_unsupported(mistral)
+
+    moe = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(
+        **small, layer_types=["full_attention"] * 2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16))
+    assert decode.static_decode_unsupported(moe) is None
+
+    class LoopExperts(torch.nn.Module):  # an expert loop of its own: nothing switches it to grouped GEMMs
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states
+
+    moe.model.layers[1].mlp.experts = LoopExperts()
+    assert "LoopExperts has no transformers experts-implementation switch" in decode.static_decode_unsupported(moe)
 
 
 def test_a_graph_is_captured_once_per_shape_and_reused_across_calls(monkeypatch):

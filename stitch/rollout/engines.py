@@ -3,9 +3,9 @@
 Callers build those embeddings with ``stitch.rollout.prompts.prompt_embeddings``, through the rollout payload the
 encoder names (built and validated there), so no engine sees raw media, cached features or the encoder.
 
-The embedded engine decodes on the policy itself, so a refit is a no-op: on a fixed-size KV cache with each decode
-step replayed as a CUDA graph (``stitch.rollout.decode``) where the model's layers allow it, else with transformers
-``generate(inputs_embeds=...)``. Engines that hold their own weights (vLLM) receive merged weights through ``refit``.
+The embedded engine decodes on the policy itself, so a refit is a no-op: on a fixed-size cache (KV and recurrent
+states) with each decode step replayed as a CUDA graph (``stitch.rollout.decode``) where the model's layers allow it,
+else with transformers ``generate(inputs_embeds=...)``. Engines that hold their own weights (vLLM) receive merged weights through ``refit``.
 
 Every engine's ``generate(prompt_embeds, n, max_new_tokens, temperature=1.0, greedy=False, seed=None)`` samples
 from ``seed`` alone when given one (GRPO passes ``sampling_seed(run seed, step)``), so a step's rollouts are the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 
 from stitch.rollout.decode import StaticDecoder, static_decode_unsupported
+
+log = logging.getLogger("stitch")
 
 
 def sampling_seed(*parts: object) -> int:
@@ -76,9 +79,9 @@ def left_pad(prompt_embeds: list[torch.Tensor], pad_embed: torch.Tensor) -> tupl
 
 
 class EmbeddedEngine:
-    """Generation on the live policy LM: stitch's fixed-cache decoder where the model qualifies (same tokens and
-    log-probs as ``generate``, CUDA graphs on a GPU), transformers ``generate`` otherwise or with
-    ``static_decode=False``."""
+    """Generation on the live policy LM: stitch's fixed-cache decoder where the model qualifies (attention, Gated
+    DeltaNet, Mamba-2 and MoE layers; same tokens and log-probs as ``generate``, CUDA graphs on a GPU), transformers
+    ``generate`` otherwise or with ``static_decode=False``; the choice is logged when the engine is built."""
 
     name = "embedded"
 
@@ -92,6 +95,7 @@ class EmbeddedEngine:
         why_not = static_decode_unsupported(lm) if static_decode else "static_decode=False"
         self.decoder = StaticDecoder(lm) if why_not is None else None
         self.decode_path = "fixed-cache decode" if why_not is None else f"transformers generate ({why_not})"
+        log.info("embedded rollout engine: %s", self.decode_path)
 
     def refit(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Nothing to do: the engine generates with the policy's own (adapter-carrying) weights."""
