@@ -30,7 +30,7 @@ LENGTHS = (9, 2, 13)
 
 
 @functools.cache
-def family_lm(name: str, device: str = "cpu"):
+def family_lm(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """The preset's LM loaded as stitch loads it, with a LoRA adapter that acts on the spec's targets (B non-zero),
     wrapped as GRPO's policy is (StitchedModel switches attention to stitch_varlen)."""
     from peft import LoraConfig, get_peft_model
@@ -40,13 +40,13 @@ def family_lm(name: str, device: str = "cpu"):
     from stitch.plugins.host import load_plugins
 
     spec = load_plugins().get("models", name)
-    lm = load_model(spec).to(device)
+    lm = load_model(spec, dtype=dtype).to(device)
     lm.requires_grad_(False)
     torch.manual_seed(0)
     lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=list(spec.lora_target_modules),
                                        init_lora_weights=False))
     text = lm.config.get_text_config()
-    StitchedModel(lm, torch.nn.Linear(8, text.hidden_size).to(device), placeholder_id=text.vocab_size - 1)
+    StitchedModel(lm, torch.nn.Linear(8, text.hidden_size).to(device, dtype), placeholder_id=text.vocab_size - 1)
     return lm.eval()
 
 
@@ -128,3 +128,24 @@ def test_on_a_gpu_graphed_fp32_decode_of_each_family_gives_generates_greedy_toke
     assert fast.decoder._steps and all(step.graph is not None for step in fast.decoder._steps.values())
     assert_rows_equal(ours, theirs, atol=1e-4)
     assert len({tuple(c.token_ids) for c in ours}) > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", [name for name, moe in FAMILIES.items() if moe])
+def test_on_a_gpu_a_bf16_moe_step_captures_grouped_experts_and_replays_what_the_eager_step_computes(name):
+    """In bf16, the dtype rollouts run in, the step's experts are transformers' grouped_mm (torch's grouped GEMM
+    over device-side offsets) inside the captured graph; its replay samples the eager fixed-cache decoder's tokens."""
+    from stitch.rollout.engines import left_pad
+
+    lm = family_lm(name, "cuda", torch.bfloat16)
+    embeds = prompts(lm, lengths=LENGTHS)
+    batch, mask = left_pad(embeds, lm.get_input_embeddings()(torch.tensor([PAD], device="cuda"))[0])
+    graphed, eager = decode.StaticDecoder(lm, use_graphs=True), decode.StaticDecoder(lm, use_graphs=False)
+    torch.manual_seed(3)
+    a = graphed.decode(batch, mask, 4, 20, eos_id=3, pad_id=PAD, suppress_ids=SUPPRESS)
+    torch.manual_seed(3)
+    b = eager.decode(batch, mask, 4, 20, eos_id=3, pad_id=PAD, suppress_ids=SUPPRESS)
+    (step,) = graphed._steps.values()
+    assert a.graph and not b.graph and step.experts_implementation == "grouped_mm"
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.allclose(a.logprobs, b.logprobs, atol=1e-3, rtol=0)
