@@ -75,6 +75,17 @@ class StageOptions(Strict):
     eval_rows: PositiveInt = Field(64, description="rows of eval_partition graded")
     eval_every: NonNegativeInt = Field(0, description="also evaluate every N steps (0: only at the end)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights' dtype while training")
+    activation_checkpointing: Literal["off", "full"] | list[Text] = Field(
+        "off", description="recompute decoder layers in backward instead of keeping their activations: off, full "
+        "(every layer), or a list of layer kinds (e.g. [linear_attention, moe]; `stitch models --json` lists a "
+        "model's kinds)")
+
+    @model_validator(mode="after")
+    def _checkpointing_kinds_named(self) -> StageOptions:
+        kinds = self.activation_checkpointing
+        if isinstance(kinds, list) and (not kinds or len(set(kinds)) != len(kinds)):
+            raise field_error("activation_checkpointing", "a non-empty list of distinct layer kinds", kinds)
+        return self
 
 
 class AlignmentOptions(StageOptions):
@@ -84,6 +95,9 @@ class AlignmentOptions(StageOptions):
     token_budget: PositiveInt = Field(
         512, description="tokens per pack; at least the encoder's tokens per item + 2 sentinels"
     )
+    micro_batch_size: PositiveInt | None = Field(
+        None, description="packs per forward/backward; the optimizer steps once per batch_size packs, the loss "
+        "normalised over all of the step's labelled tokens (gradient accumulation); null: all batch_size at once")
     buffer_size: PositiveInt = Field(64, description="shuffle buffer (samples)")
     packing: Flag = Field(True, description="pack samples into token_budget rows (the model plugin may refuse)")
     lr_projector: PositiveNumber = Field(1e-3, description="projector learning rate")
@@ -140,6 +154,8 @@ class DPOOptions(StageOptions):
     pairs_per_step: PositiveInt = Field(8, description="pairs per step")
     beta: PositiveNumber = Field(0.1, description="DPO temperature")
     lr_adapter: PositiveNumber = Field(5e-4, description="adapter learning rate")
+    micro_batch_size: PositiveInt | None = Field(
+        None, description="pairs per forward/backward (gradient accumulation over pairs_per_step); null: all")
     probe_pairs: PositiveInt = Field(32, description="fixed pairs scored before and after training")
     lora: LoraOptions | None = Field(None, description="restates SFT's adapter (r, alpha must match)")
 

@@ -118,20 +118,26 @@ class DPOStage(Stage):
     def step(self, ctx: StageContext) -> dict[str, Any]:
         opts, model = self.opts, ctx.model
         drawn = [self.pairs[self.rng.randrange(len(self.pairs))] for _ in range(opts.pairs_per_step)]
-        # each branch carries its own copy of the features; its placeholders are checked against them
-        batch = pair_batch(ctx.session, drawn)
-        with torch.no_grad():
-            ref = sequence_logprob(model, batch, params=self.reference)
-        pol = sequence_logprob(model, batch)
-        n = len(drawn)
-        margin = (pol[:n] - ref[:n]) - (pol[n:] - ref[n:])
-        logits = opts.beta * margin
-        loss = -F.logsigmoid(logits).mean()
-        loss.backward()
+        micro = opts.micro_batch_size or len(drawn)
+        pols, logits_all = [], []
+        for start in range(0, len(drawn), micro):  # gradient accumulation: each chunk adds its share of the mean
+            part = drawn[start:start + micro]
+            # each branch carries its own copy of the features; its placeholders are checked against them
+            batch = pair_batch(ctx.session, part)
+            with torch.no_grad():
+                ref = sequence_logprob(model, batch, params=self.reference)
+            pol = sequence_logprob(model, batch)
+            n = len(part)
+            logits = opts.beta * ((pol[:n] - ref[:n]) - (pol[n:] - ref[n:]))
+            (-F.logsigmoid(logits).sum() / len(drawn)).backward()
+            pols.append(pol.detach().view(2, n))
+            logits_all.append(logits.detach())
         ctx.update()
-        return {"loss": float(loss.detach()), "margin": float(margin.detach().mean()),
-                "chosen_logprob": float(pol[:n].detach().mean()), "rejected_logprob": float(pol[n:].detach().mean()),
-                "accuracy": float((logits.detach() > 0).float().mean())}
+        logits = torch.cat(logits_all)
+        chosen, rejected = torch.cat([p[0] for p in pols]), torch.cat([p[1] for p in pols])
+        return {"loss": float(-F.logsigmoid(logits).mean()), "margin": float(logits.mean() / opts.beta),
+                "chosen_logprob": float(chosen.mean()), "rejected_logprob": float(rejected.mean()),
+                "accuracy": float((logits > 0).float().mean())}
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": random_to_json(self.rng), "probe_start": self.probe_start}

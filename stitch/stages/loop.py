@@ -23,6 +23,7 @@ import torch
 from stitch.config.options import STAGE_OPTIONS, StageOptions
 from stitch.config.recipe import RecipeError
 from stitch.model.binding import ModelBinding
+from stitch.model.checkpointing import checkpoint_layers
 from stitch.runs.checkpoint import (
     latest_step_dir,
     load_step_state,
@@ -189,6 +190,13 @@ class StageContext:
         self.grad_norm = float(norm)  # read once the step is queued: reading it earlier idles the GPU mid-step
         return self.grad_norm
 
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the accumulated gradients by ``factor`` (an accumulated sum becomes the step's mean)."""
+        for group in self.groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+
     def evaluate(self) -> float:
         """The recipe task's held-out accuracy on ``eval_partition`` (sharded weights gathered for generation)."""
         from stitch.stages.evaluation import evaluate_accuracy
@@ -258,6 +266,7 @@ def setup(recipe: Any, name: str, out_dir: Path, cleanup: ExitStack, *, resume: 
     else:
         model = session.binding.build_model(**args)
     ctx.model = model
+    checkpoint_layers(model, opts.activation_checkpointing, f"stages.{name}.activation_checkpointing")
     audit_gradients(model, ctx.allowed)
     for group in ctx.allowed:  # one parameter group per component, each with its own learning rate
         params = [p for n, p in model.named_parameters() if p.requires_grad and parameter_group(n) == group]

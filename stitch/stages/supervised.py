@@ -12,6 +12,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from stitch.data.packing import PackedStream, collate_packs
 from stitch.model.loading import packs_loaded
 from stitch.stages.loop import Stage, StageContext, run_stage
@@ -37,11 +39,26 @@ class AlignmentStage(Stage):
         self.tokens_seen = 0
 
     def step(self, ctx: StageContext) -> dict[str, Any]:
-        opts, dp = self.opts, ctx.dp
+        opts = self.opts
         t0 = time.perf_counter()
         packs = [self.stream.next_pack() for _ in range(opts.batch_size)]  # the global batch, on every rank
-        batch = collate_packs(dp.rows(packs), ctx.session.pad_id, self.packed,
-                              length=opts.token_budget if self.packed else None).to(ctx.session.device)
+        micro = opts.micro_batch_size or len(packs)
+        if micro >= len(packs):
+            loss_value, n_labels, tokens = self._whole_batch(ctx, packs)
+        else:
+            loss_value, n_labels, tokens = self._accumulated(ctx, packs, micro)
+        self.tokens_seen += tokens
+        fill = tokens / (len(packs) * opts.token_budget) if self.packed else 1.0
+        return {"loss": loss_value, "tokens": tokens, "label_tokens": n_labels, "pack_fill": round(fill, 4),
+                "tokens_per_s": round(tokens / (time.perf_counter() - t0), 1)}
+
+    def _collate(self, ctx: StageContext, packs: list[Any]) -> Any:
+        return collate_packs(ctx.dp.rows(packs), ctx.session.pad_id, self.packed,
+                             length=self.opts.token_budget if self.packed else None).to(ctx.session.device)
+
+    def _whole_batch(self, ctx: StageContext, packs: list[Any]) -> tuple[float, int, int]:
+        dp = ctx.dp
+        batch = self._collate(ctx, packs)
         loss, n_labels = ctx.model.loss(batch)
         tokens, objective = batch.tokens, loss
         if dp.active:
@@ -55,10 +72,28 @@ class AlignmentStage(Stage):
         ctx.update()
         if not dp.active:  # read once the whole step is queued: reading it before backward idles the GPU between
             loss_value = float(loss.detach())
-        self.tokens_seen += tokens
-        fill = tokens / (len(packs) * opts.token_budget) if self.packed else 1.0
-        return {"loss": loss_value, "tokens": tokens, "label_tokens": n_labels, "pack_fill": round(fill, 4),
-                "tokens_per_s": round(tokens / (time.perf_counter() - t0), 1)}
+        return loss_value, n_labels, tokens
+
+    def _accumulated(self, ctx: StageContext, packs: list[Any], micro: int) -> tuple[float, int, int]:
+        """Gradient accumulation: each micro-batch's backward adds its summed token loss; the sum is then divided
+        by the whole step's labelled-token count, so the update equals one batch of all ``packs``."""
+        dp = ctx.dp
+        loss_sum, n_labels, tokens = 0.0, 0, 0
+        sums = []
+        for start in range(0, len(packs), micro):
+            batch = self._collate(ctx, packs[start:start + micro])
+            loss, n = ctx.model.loss(batch)
+            (loss * n).backward()
+            sums.append(loss.detach() * n)
+            n_labels, tokens = n_labels + n, tokens + batch.tokens
+        loss_sum = float(torch.stack(sums).sum())
+        world = 1
+        if dp.active:  # every rank's gradients are averaged by the reduce-scatter: undo that, then divide by all
+            loss_sum, n_labels, tokens = dp.all_sum([loss_sum, n_labels, tokens])
+            n_labels, tokens, world = int(n_labels), int(tokens), dp.world_size
+        ctx.scale_gradients(world / max(n_labels, 1))
+        ctx.update()
+        return loss_sum / max(n_labels, 1), n_labels, tokens
 
     def state_dict(self) -> dict[str, Any]:
         return self.stream.state_dict()
