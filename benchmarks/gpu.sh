@@ -10,11 +10,13 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" "$SITE"
 suites=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-if [ ! -d "$SITE/fla" ]; then
+if [ ! -f "$SITE/.installed" ]; then
   (cd .whl && sha256sum -c --quiet SHA256SUMS) || exit 1
-  tar xJf .whl/triton_rest.tar.xz -C "$SITE"
-  xz -dc .whl/libtriton.stripped.so.xz > "$SITE/triton/_C/libtriton.so"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl
+  if [ -f .whl/triton_rest.tar.xz ]; then  # a carry without Triton keeps the image's (fla then stays off)
+    tar xJf .whl/triton_rest.tar.xz -C "$SITE"
+    xz -dc .whl/libtriton.stripped.so.xz > "$SITE/triton/_C/libtriton.so"
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl && touch "$SITE/.installed"
 fi
 python3 - "$SITE" <<'PY'
 import pathlib, sys, tomllib
@@ -30,7 +32,7 @@ for pyproject in [pathlib.Path("pyproject.toml"), *sorted(pathlib.Path("plugins"
         f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for group, eps in groups.items()))
 PY
 export PYTHONPATH=$SITE:.
-python3 -c "import triton, fla, torch; print('triton', triton.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())"
+python3 -c "import importlib.util as u, torch, triton; print('triton', triton.__version__, 'fla', bool(u.find_spec('fla')), torch.cuda.get_device_name())"
 rc=0
 for suite in "${suites[@]}"; do
   echo "== $suite"
