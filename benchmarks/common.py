@@ -1,6 +1,6 @@
-"""Shared helpers for the GPU benchmarks: machine info, timing, result files.
+"""Shared by every suite: machine facts, FLOP and MFU arithmetic, the result files and the RESULTS.md table.
 
-Nothing here asserts on speed: the scripts measure and write JSON; BENCHMARKS.md reads the numbers.
+Nothing here asserts on speed: the suites measure and write JSON; RESULTS.md and BENCHMARKS.md read the numbers.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,36 +86,76 @@ def peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2)
 
 
-def profile_once(fn, top: int = 25) -> dict:
-    """One call of ``fn`` under torch.profiler: device milliseconds in all and by kernel (top ``top``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [(e.key, e.self_device_time_total / 1000, e.count) for e in prof.key_averages()
-               if e.self_device_time_total > 0]
-    kernels.sort(key=lambda k: -k[1])
-    return {"device_ms": round(sum(k[1] for k in kernels), 2),
-            "top_kernels_ms": [[k[:110], round(ms, 3), n] for k, ms, n in kernels[:top]]}
+def log(*args: Any) -> None:
+    print(*args, flush=True)
 
 
-def write_result(name: str, payload: dict[str, Any], out_dir: str | Path | None = None) -> Path:
-    """Write ``payload`` (plus machine info and the command line) to ``<out_dir>/<name>.json``."""
-    out = Path(out_dir) if out_dir else RESULTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    doc = {
-        "name": name,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(),
-        **payload,
-    }
+# -- FLOPs and MFU ------------------------------------------------------------------------------------------------
+
+
+def matmul_params(lm: torch.nn.Module) -> tuple[int, int]:
+    """(frozen, trainable) matmul parameters of ``lm``: every weight but the input embedding table, a tied LM head
+    counted once (it is a GEMM even when it shares the table's storage)."""
+    emb = lm.get_input_embeddings().weight
+    head = lm.get_output_embeddings().weight
+    frozen = sum(p.numel() for p in lm.parameters() if not p.requires_grad) - emb.numel()
+    if head.data_ptr() == emb.data_ptr():
+        frozen += head.numel()
+    trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
+    return frozen, trainable
+
+
+def flops_per_token(frozen: int, trainable: int) -> dict[str, int]:
+    """Training FLOPs per token, two ways. ``6n``: the usual 6 x all matmul parameters. ``lora``: what runs; a frozen
+    weight has no weight-gradient GEMM (2 forward + 2 input-gradient), a trainable one has all three (6)."""
+    return {"6n": 6 * (frozen + trainable), "lora": 4 * frozen + 6 * trainable}
+
+
+def mfu(flops_per_tok: dict[str, int], tokens_per_s: float) -> dict[str, float | None]:
+    """Model FLOPs utilisation against the GPU's dense bf16 peak (None off a GPU: no peak to divide by)."""
+    if not torch.cuda.is_available():
+        return {f"mfu_{k}": None for k in flops_per_tok}
+    return {f"mfu_{k}": round(v * tokens_per_s / H200_BF16_DENSE_PEAK, 4) for k, v in flops_per_tok.items()}
+
+
+# -- results ------------------------------------------------------------------------------------------------------
+
+
+def commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return (out.stdout.strip() + ("+dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def write_result(suite: str, payload: dict[str, Any], out_dir: Path) -> Path:
+    """``out_dir/SUITE.json`` (overwritten): the payload with the machine, versions, commit, date and command."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{suite}.json"
+    doc = {"suite": suite, "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit(),
+           "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(), **payload}
     path.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {path}", flush=True)
+    log(f"wrote {path}")
     return path
 
 
-def log(*args: Any) -> None:
-    print(*args, flush=True)
+def write_table(out_dir: Path) -> Path:
+    """``out_dir/../RESULTS.md`` when out_dir is benchmarks/results, else ``out_dir/RESULTS.md``: one row per
+    suite and shape, the headline figures of every SUITE.json found in ``out_dir``."""
+    target = out_dir.parent / "RESULTS.md" if out_dir.resolve() == RESULTS_DIR else out_dir / "RESULTS.md"
+    lines = ["# Current figures", "", "Generated by `benchmarks/bench.py` from `benchmarks/results/*.json`; "
+             "BENCHMARKS.md says what each figure means.", "",
+             "| suite | shape | figures | GPU | commit | date |", "| --- | --- | --- | --- | --- | --- |"]
+    for path in sorted(out_dir.glob("*.json")):
+        doc = json.loads(path.read_text())
+        for row in doc.get("rows", []):
+            figures = ", ".join(f"{k} {v}" for k, v in row["figures"].items())
+            lines.append(f"| {doc['suite']} | {row['shape']} | {figures} | {doc['machine'].get('gpu') or 'CPU'} "
+                         f"| {doc.get('commit')} | {doc['utc'][:10]} |")
+    target.write_text("\n".join(lines) + "\n")
+    log(f"wrote {target}")
+    return target

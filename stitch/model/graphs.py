@@ -50,8 +50,6 @@ CAPTURES = 3  # captures a block may make in a process (a new signature that rep
 ROOM_FACTOR, ROOM_MARGIN = 8, 1 << 30  # free memory a capture asks for: 8x its inputs' bytes + 1 GiB (room_for)
 WARMUP = 2  # eager forward + backward passes on a side stream before capture (cuBLAS, Triton's first launches)
 
-STATS = {"captured": 0, "replayed": 0, "failed": 0}  # process-wide counters (benchmarks report replays per step)
-
 
 class _Token:
     """Lives as long as the autograd graph of one replayed forward: a pending backward."""
@@ -121,7 +119,6 @@ class _Replay(torch.autograd.Function):
         graph.forward_graph.replay()
         ctx.graph, ctx.token = graph, _Token()
         graph._pending = weakref.ref(ctx.token)
-        STATS["replayed"] += 1
         return tuple(o.detach() for o in graph.static_outs)
 
     @staticmethod
@@ -319,12 +316,10 @@ def _static_block(module: nn.Module, xs: tuple[torch.Tensor, ...], forward: Call
         # pool, so no block of this process tries again
         global ENABLED
         ENABLED = False
-        STATS["failed"] += 1
         log.warning("%s: CUDA graph capture failed; every block of this process runs eagerly from now on: %s",
                     type(module).__name__, err)
         return forward(*xs)
     state.captures += 1
-    STATS["captured"] += 1
     return state.graph(*xs)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,17 +54,12 @@ def micro_batches(samples: list[list[Sample]], pad_id: int, size: int | None,
     return chunks, batches
 
 
-def _same(batch: Any) -> Any:
-    return batch
-
-
 @torch.no_grad()
 def score_rollouts(model: Any, batches: list[Any], temperature: float, reference_params: dict[str, torch.Tensor],
-                   suppress_ids: Sequence[int], prepare: Callable[[Any], Any] = _same):
-    """(old log-probs, reference log-probs, completion mask) over all micro-batches. ``prepare`` may rewrite a
-    batch before each forward (the encoder-in-the-loop benchmark baseline re-encodes its images there)."""
-    old = [token_logprobs(model, prepare(b), temperature, suppress_ids=suppress_ids) for b in batches]
-    ref = [token_logprobs(model, prepare(b), temperature, params=reference_params, suppress_ids=suppress_ids)[0]
+                   suppress_ids: Sequence[int]):
+    """(old log-probs, reference log-probs, completion mask) over all micro-batches."""
+    old = [token_logprobs(model, b, temperature, suppress_ids=suppress_ids) for b in batches]
+    ref = [token_logprobs(model, b, temperature, params=reference_params, suppress_ids=suppress_ids)[0]
            for b in batches]
     return torch.cat([lp for lp, _ in old]), torch.cat(ref), torch.cat([m for _, m in old])
 
@@ -79,8 +74,8 @@ def engine_parity(completions: Sequence[Any], old_lp: torch.Tensor, mask: torch.
 
 
 def policy_gradients(model: Any, chunks: list[range], batches: list[Any], old_lp: torch.Tensor, ref_lp: torch.Tensor,
-                     adv: torch.Tensor, mask: torch.Tensor, opts: Any, suppress_ids: Sequence[int],
-                     prepare: Callable[[Any], Any] = _same) -> tuple[torch.Tensor, torch.Tensor]:
+                     adv: torch.Tensor, mask: torch.Tensor, opts: Any,
+                     suppress_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward of the GRPO loss over all micro-batches, gradients accumulated into one update (the caller
     applies it); returns (loss, per-token kl)."""
     model.train()
@@ -88,7 +83,7 @@ def policy_gradients(model: Any, chunks: list[range], batches: list[Any], old_lp
     loss, kls = torch.zeros((), device=old_lp.device), []
     for chunk, b in zip(chunks, batches, strict=True):
         part = slice(chunk.start, chunk.stop)
-        lp, _ = token_logprobs(model, prepare(b), opts.temperature, suppress_ids=suppress_ids)
+        lp, _ = token_logprobs(model, b, opts.temperature, suppress_ids=suppress_ids)
         chunk_loss, chunk_kl = grpo_loss(lp, old_lp[part], ref_lp[part], adv[part], mask[part], opts.clip_eps,
                                          opts.kl_beta)
         # the step's loss is a mean over sequences: weight each chunk by its share of them
@@ -170,7 +165,8 @@ class GRPOStage(Stage):
             # seeded by (run seed, step): the same rollouts after a resume, whichever engine or process samples
             completions = self.engine.generate(embeds, opts.group_size, opts.max_new_tokens, opts.temperature,
                                                seed=sampling_seed(opts.seed, "rollout", ctx.step))
-        self.timings["rollout"] += time.perf_counter() - t0
+        rollout_s = time.perf_counter() - t0  # the engine hands back token lists: the device work is done
+        self.timings["rollout"] += rollout_s
         texts = session.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         rewards = torch.tensor([self.task.reward(text, drawn[c.prompt_index].task_row())
                                 for text, c in zip(texts, completions, strict=True)], dtype=torch.float32)
@@ -183,20 +179,25 @@ class GRPOStage(Stage):
         t1 = time.perf_counter()
         reference_params = {**self.reference, **{f"projector.{n}": t for n, t in self.anchor.items()}}
         old_lp, ref_lp, mask = score_rollouts(model, batches, opts.temperature, reference_params, suppress)
-        parity = engine_parity(completions, old_lp, mask)
-        self.timings["logprobs"] += time.perf_counter() - t1
+        parity = engine_parity(completions, old_lp, mask)  # reads a value back: the log-prob work is done
+        logprob_s = time.perf_counter() - t1
+        self.timings["logprobs"] += logprob_s
         drift = projector_drift(model.projector, self.anchor) if opts.train_projector else None
         t2 = time.perf_counter()
         for _ in range(opts.updates_per_batch):
             loss, kl = policy_gradients(model, chunks, batches, old_lp, ref_lp, adv, mask, opts, suppress)
             ctx.update()
-        self.timings["train"] += time.perf_counter() - t2
+        loss_value = float(loss)  # waits for the update's device work, so update_s holds it
+        update_s = time.perf_counter() - t2
+        self.timings["train"] += update_s
         t3 = time.perf_counter()
         self.engine.refit(None)
-        self.timings["refit"] += time.perf_counter() - t3
-        record = {"reward": float(rewards.mean()), "loss": float(loss),
+        refit_s = time.perf_counter() - t3
+        self.timings["refit"] += refit_s
+        record = {"reward": float(rewards.mean()), "loss": loss_value,
                   "kl": float((kl * mask).sum() / mask.sum().clamp(min=1)), "parity_max_abs_logprob": parity,
-                  "completion_tokens": int(mask.sum())}
+                  "completion_tokens": int(mask.sum()), "rollout_tokens": sum(len(c.token_ids) for c in completions),
+                  "rollout_s": rollout_s, "logprob_s": logprob_s, "update_s": update_s, "refit_s": refit_s}
         if drift is not None:
             record["projector_drift"] = drift
         return record

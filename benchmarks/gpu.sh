@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One GPU call: install the carried .whl/ (benchmarks/pack_wheels.sh) into /tmp/site, register the checkout's
+# plugins there (their dist-info, generated from pyproject.toml, so the plugin host finds them as installed wheels),
+# then run benchmarks/bench.py for each SUITE into $OUT (default /tmp/out) and copy RESULTS.md beside the JSONs.
+#   bash benchmarks/gpu.sh sft grpo              # device call with carry [".whl"]; extra bench.py options after --:
+#   bash benchmarks/gpu.sh prepare -- --images 16384
+# Setup is idempotent: a warm machine skips the installs. Each suite gets SUITE_TIMEOUT seconds (default 570).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} SITE=${SITE:-/tmp/site}
+mkdir -p "$OUT" "$SITE"
+suites=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+if [ ! -f "$SITE/.installed" ]; then
+  (cd .whl && sha256sum -c --quiet SHA256SUMS) || exit 1
+  if [ -f .whl/triton_rest.tar.xz ]; then  # a carry without Triton keeps the image's (fla then stays off)
+    tar xJf .whl/triton_rest.tar.xz -C "$SITE"
+    xz -dc .whl/libtriton.stripped.so.xz > "$SITE/triton/_C/libtriton.so"
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl && touch "$SITE/.installed"
+fi
+python3 - "$SITE" <<'PY'
+import pathlib, sys, tomllib
+dest = pathlib.Path(sys.argv[1])
+for pyproject in [pathlib.Path("pyproject.toml"), *sorted(pathlib.Path("plugins").glob("*/pyproject.toml"))]:
+    project = tomllib.loads(pyproject.read_text())["project"]
+    name, version = project["name"], project.get("version", "0.0.0")
+    info = dest / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    groups = project.get("entry-points", {})
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for group, eps in groups.items()))
+PY
+export PYTHONPATH=$SITE:.
+python3 -c "import importlib.util as u, torch, triton; print('triton', triton.__version__, 'fla', bool(u.find_spec('fla')), torch.cuda.get_device_name())"
+rc=0
+for suite in "${suites[@]}"; do
+  echo "== $suite"
+  timeout "${SUITE_TIMEOUT:-570}" python3 benchmarks/bench.py "$suite" --shape "${SHAPE:-dense4b}" --out "$OUT" "$@" \
+    2>&1 | tee "$OUT/$suite.log" | grep -v "it/s]$" | tail -20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+done
+ls -la "$OUT"
+exit $rc
