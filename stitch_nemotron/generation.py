@@ -18,6 +18,13 @@ class NemotronHForCausalLM(StockNemotronHForCausalLM):
     transformers, vLLM) without stitch installed.
     """
 
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers decides this by finding its experts decorator in the class's own module source, which is
+        # this file: answer for the stock class, so MoE blocks get grouped_mm (one grouped GEMM over the routed
+        # tokens) instead of the eager loop's host sync per expert
+        return StockNemotronHForCausalLM._can_set_experts_implementation()
+
     def prepare_inputs_for_generation(self, input_ids: Any, inputs_embeds: Any = None, **kwargs: Any) -> dict:
         kwargs["logits_to_keep"] = self.config.num_logits_to_keep
         return GenerationMixin.prepare_inputs_for_generation(

@@ -8,4 +8,5 @@ SUITES: dict[str, str] = {
     "prepare": "benchmarks.suites.prepare",
     "encode": "benchmarks.suites.encode",
     "real-size": "benchmarks.suites.real_size",
+    "models": "benchmarks.suites.models",
 }

@@ -1,0 +1,232 @@
+"""The four seed models at their published shapes: `stitch train sft` / `stitch train grpo` against stock
+transformers + peft (same kernels installed, same process, same tokens per optimizer step).
+
+Per model: a random-init snapshot in the published layout (`stitch snapshot`'s writer; shards past
+--disk-budget-gib spill to --spill-dir), a recipe naming it as ``model.snapshot`` with the batch, accumulation and
+checkpointing of ``SETTINGS``, then prepare -> alignment (1 step) -> SFT -> GRPO as `stitch train` runs them, timed
+by the stages' own metrics. Stock: ``AutoModelForCausalLM.from_pretrained`` of the same snapshot, peft LoRA r16 on
+the spec's targets, one causal row of ``budget`` tokens per micro-step, the same micro-steps per AdamW step and the
+same checkpointing; stock `generate` for the rollout comparison (prompt ids of the GRPO prompts' lengths).
+MFU both ways: 6N on active parameters (routed experts count top-k of E) and LoRA-aware (4N frozen + 6N trainable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import flops_per_token, log, mfu, peak_gib, reset_peak, sync
+from benchmarks.suites import harness
+from benchmarks.suites.real_size import active_params
+
+MODELS = ("qwen3.5-4b", "nemotron-3-nano-4b", "qwen3.6-35b-a3b", "nemotron-3.5-lightning-30b-a3b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a user runs on one H200: tokens per packed row, rows per optimizer step, rows per forward/backward."""
+
+    budget: int = 4096
+    batch: int = 4
+    micro: int = 1
+    checkpointing: str = "off"
+
+
+SETTINGS = {
+    "qwen3.5-4b": Settings(),
+    "nemotron-3-nano-4b": Settings(),
+    "qwen3.6-35b-a3b": Settings(checkpointing="full"),
+    "nemotron-3.5-lightning-30b-a3b": Settings(checkpointing="full"),
+}
+TINY = Settings(budget=512, batch=2, micro=1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default=None, help="comma-separated (default all four; tiny qwen3.5-4b)")
+    p.add_argument("--snapshots", type=Path, default=None, help="where snapshots are written and reused")
+    p.add_argument("--spill-dir", type=Path, default=None, help="where shards go past --disk-budget-gib")
+    p.add_argument("--disk-budget-gib", type=float, default=None)
+    p.add_argument("--grpo-steps", type=int, default=None, help="timed GRPO steps (default 3; tiny 1)")
+    p.add_argument("--skip-stock", action="store_true", help="stitch only (no stock SFT/generate)")
+    p.add_argument("--keep", action="store_true", help="keep each snapshot after its run")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    tiny = args.shape == "tiny"
+    names = (args.models or ("qwen3.5-4b" if tiny else ",".join(MODELS))).split(",")
+    results, rows = {}, []
+    for name in names:
+        try:
+            result = one_model(name, args)
+        except Exception as exc:  # one model's failure is a result too; the others still run
+            log(f"{name}: FAILED {type(exc).__name__}: {exc}")
+            result = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+        results[name] = result
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if "error" not in result:
+            sft, grpo = result["sft"], result["grpo"]
+            rows.append({"shape": name + (" (narrow)" if tiny else ""), "figures": {
+                "SFT tok/s": round(sft["stitch_tokens_per_s"]), "stock tok/s": _round(sft["stock_tokens_per_s"]),
+                "vs stock": sft.get("vs_stock"), "MFU 6N": sft["mfu_6n"], "MFU LoRA": sft["mfu_lora"],
+                "SFT GiB": sft["peak_gib"], "rollout tok/s": round(grpo["rollout_tokens_per_s"]),
+                "generate tok/s": _round(grpo["generate_tokens_per_s"]), "rollout share": grpo["rollout_share"]}})
+    return {"models": results, "rows": rows}
+
+
+def _round(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
+def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    from stitch.model.snapshots import write_model_snapshot
+
+    tiny = args.shape == "tiny"
+    settings = TINY if tiny else SETTINGS[name]
+    host = harness.install_host()
+    snapshot = (args.snapshots or args.work / "snapshots") / (f"{name}-narrow" if tiny else name)
+    if not (snapshot / "config.json").exists():
+        t0 = time.perf_counter()
+        write_model_snapshot(host.get("models", name), snapshot, layers=4 if tiny else None,
+                             width=128 if tiny else None, dtype=torch.bfloat16, spill_dir=args.spill_dir,
+                             init_device=harness.device(), progress=log,
+                             disk_budget_bytes=None if args.disk_budget_gib is None
+                             else int(args.disk_budget_gib * 2**30))
+        log(f"{name}: snapshot written in {time.perf_counter() - t0:.0f} s")
+    spec = host.get("models", name)
+    model = name
+    if tiny:  # the product refuses a narrowed snapshot under the published name: register it as its own
+        model = f"{name}-w128"
+        host = harness.install_host((dataclasses.replace(spec, name=model, hidden_size=128),))
+    base = harness.SHAPES["tiny" if tiny else "dense4b"]
+    shape = dataclasses.replace(base, model=model, dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    work = args.work / name
+    n = 128 if tiny else 512
+    data = harness.write_jpeg_rows(work / "data", n, unique=min(n, 64), words=(5, 60) if tiny else (40, 400))
+    lora = {"r": 16, "alpha": 32, "dropout": 0.0}
+    prompts, group, new_tokens = (2, 2, 16) if tiny else (8, 8, 128)
+    grpo_steps = args.grpo_steps or (1 if tiny else 3)
+    stages = {
+        "alignment": {"partition": "alignment", "steps": 1, "batch_size": 1, "token_budget": settings.budget},
+        "sft": {"partition": "train", "steps": args.warmup + args.steps, "batch_size": settings.batch,
+                "micro_batch_size": settings.micro, "token_budget": settings.budget, "lora": lora,
+                "activation_checkpointing": settings.checkpointing, "buffer_size": 256},
+        "grpo": {"partition": "grpo", "steps": 1 + grpo_steps, "prompts_per_step": prompts, "group_size": group,
+                 "max_new_tokens": new_tokens, "micro_batch_size": 16, "temperature": 1.0, "lora": lora,
+                 "activation_checkpointing": settings.checkpointing}}
+    recipe = harness.write_recipe(work, shape, data, n, stages)
+    text = recipe.read_text().replace(f"model: {model}\n", f"model: {{name: {model}, snapshot: {snapshot}}}\n", 1)
+    recipe.write_text(text)
+    run_dir = work / "run"
+    harness.prepare(recipe, run_dir)
+    harness.train(recipe, "alignment", run_dir)
+    reset_peak()
+    sft_records = harness.train(recipe, "sft", run_dir)
+    sft_peak = peak_gib()
+    summary = json.loads((run_dir / "sft" / "summary.json").read_text())
+    trainable = summary["trainable_parameters"]["adapter"] + summary["trainable_parameters"]["projector"]
+    params = active_params(snapshot)
+    flops = flops_per_token(params["active"], trainable)
+    stitch_tps = harness.median_after(sft_records, "tokens_per_s", args.warmup)
+    sft = {"stitch_tokens_per_s": stitch_tps, "stitch_stage_tokens_per_s": summary.get("tokens_per_s"),
+           "tokens_per_optimizer_step": harness.median_after(sft_records, "tokens", args.warmup),
+           "settings": dataclasses.asdict(settings), "peak_gib": sft_peak, **mfu(flops, stitch_tps),
+           "stock_tokens_per_s": None}
+    log(f"{name} sft: {json.dumps(sft)}")
+    reset_peak()
+    grpo_records = harness.train(recipe, "grpo", run_dir)
+    timed = grpo_records[1:] or grpo_records
+    parts = {k: statistics.median(r[k] for r in timed) for k in ("rollout_s", "logprob_s", "update_s", "refit_s")}
+    step_s = sum(parts.values())
+    grpo = {**parts, "step_s": step_s, "rollout_share": round(parts["rollout_s"] / step_s, 3),
+            "rollout_tokens_per_s": statistics.median(r["rollout_tokens"] / r["rollout_s"] for r in timed),
+            "peak_gib": peak_gib(), "generate_tokens_per_s": None}
+    log(f"{name} grpo: {json.dumps(grpo)}")
+    gc.collect()
+    if not args.skip_stock:
+        lm, tok = stock_lm(snapshot, spec, lora, settings, shape.dtype)
+        stock = stock_sft(lm, tok, data, settings, args)
+        sft.update(stock_tokens_per_s=stock["tokens_per_s"], stock_peak_gib=stock["peak_gib"],
+                   vs_stock=round(stitch_tps / stock["tokens_per_s"], 3),
+                   stock_mfu_6n=mfu(flops, stock["tokens_per_s"])["mfu_6n"])
+        gen = stock_generate(lm, tok, prompts * group, new_tokens, args)
+        grpo.update(generate_tokens_per_s=gen, rollout_vs_generate=round(grpo["rollout_tokens_per_s"] / gen, 2))
+        del lm
+    result = {"snapshot": str(snapshot), "params": params, "trainable": trainable, "sft": sft, "grpo": grpo}
+    log(f"{name}: {json.dumps(result)}")
+    if not args.keep and not tiny and args.snapshots is not None:
+        shutil.rmtree(snapshot, ignore_errors=True)
+    return result
+
+
+def stock_lm(snapshot: Path, spec: Any, lora: dict[str, Any], settings: Settings, dtype: str) -> tuple[Any, Any]:
+    """The snapshot as a user loads it with transformers, peft's LoRA on the spec's targets, the same
+    checkpointing as the stitch run (transformers' own switch)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    lm = transformers.AutoModelForCausalLM.from_pretrained(snapshot, dtype=getattr(torch, dtype),
+                                                           device_map=harness.device())
+    lm.requires_grad_(False)
+    if settings.checkpointing != "off":
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm = get_peft_model(lm, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0, bias="none",
+                                       target_modules=list(spec.lora_target_modules)))
+    return lm, transformers.AutoTokenizer.from_pretrained(snapshot)
+
+
+def stock_sft(lm: Any, tok: Any, data: Path, settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
+    """``settings.batch`` causal rows of ``budget`` tokens per AdamW step, ``settings.micro`` rows a backward, every
+    token labelled; tokens/s over the timed optimizer steps."""
+    texts = [json.loads(line) for line in data.read_text().splitlines()]
+    stream = [t for r in texts for t in tok(r["question"] + " " + r["answer"])["input_ids"]]
+    need = settings.budget * settings.batch * (args.warmup + args.steps + 1)
+    stream = (stream * (need // max(len(stream), 1) + 1))[:need]
+    params = [p for p in lm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=torch.cuda.is_available())
+    rows = torch.tensor(stream).view(-1, settings.budget)
+    lm.train()
+    reset_peak()
+    times, cursor = [], 0
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        for start in range(0, settings.batch, settings.micro):
+            ids = rows[cursor + start:cursor + min(start + settings.micro, settings.batch)].to(harness.device())
+            (lm(input_ids=ids, labels=ids, use_cache=False).loss * ids.shape[0] / settings.batch).backward()
+        cursor += settings.batch
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return {"tokens_per_s": settings.budget * settings.batch / statistics.median(times), "peak_gib": peak_gib()}
+
+
+def stock_generate(lm: Any, tok: Any, rows: int, new_tokens: int, args: argparse.Namespace) -> float:
+    """transformers' sampling `generate`, ``rows`` prompts of GRPO's prompt length (49 image slots + sentinels +
+    a question), to ``new_tokens`` each; tokens/s (tokens after a row's end are padding, not counted)."""
+    lm.eval()
+    length = 51 + 24
+    ids = torch.randint(1000, 5000, (rows, length), device=harness.device())
+    rates = []
+    for i in range(2):
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
+        sync()
+        if i:
+            rates.append((out.shape[1] - length) * rows / (time.perf_counter() - t0))
+    return statistics.median(rates)
