@@ -5,7 +5,7 @@ taking 37 ms of a 198 ms step (61 calls each, ~0.3 ms a call). The rank-16 produ
 32-wide ``in_proj_a`` / ``in_proj_b`` are the candidates. This script times, for each LoRA target of a shape
 (found on the real config, built on the meta device, so nothing is allocated), at the step's token count:
 
-- ``LoRAProduct`` forward + backward as shipped (``stitch.model.precision``), op by op: its eight GEMMs;
+- ``LoRAProduct`` forward + backward as shipped (``stitch.kernels.precision``), op by op: its eight GEMMs;
 - the same eight products with the skinny ones' operands swapped (``(a @ x.T).T`` for ``x @ a.T`` ...): the same
   numbers, another cuBLAS kernel;
 - the rank padded to 64 (zeros): if the padded product takes as long as rank 16, the kernel, not the work, is slow;
@@ -106,7 +106,7 @@ def module_step(tokens: int, d_in: int, d_out: int, rank: int, device, dtype) ->
     """One projection's forward + backward as the step runs it: ``LoRAProduct`` (shipped) and stock peft."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    from stitch.model.precision import LoRAProduct
+    from stitch.kernels.precision import LoRAProduct
 
     base = torch.nn.Linear(d_in, d_out, bias=False, device=device, dtype=dtype).requires_grad_(False)
     lora_a = torch.nn.Parameter(torch.randn(rank, d_in, device=device) * 0.01)  # fp32 masters, as shipped
@@ -136,7 +136,7 @@ def gdn_inputs(targets: list[dict], tokens: int, rank: int, device, dtype) -> tu
     shape without them."""
     from peft import LoraConfig, get_peft_model
 
-    from stitch.model.precision import lora_in_half_compute, shared_input_projections
+    from stitch.kernels.precision import lora_in_half_compute, shared_input_projections
 
     widths = {t["kind"]: (t["in"], t["out"], t["count"]) for t in targets if t["kind"] in GDN_INPUTS}
     if len(widths) < len(GDN_INPUTS):

@@ -37,8 +37,8 @@ uniform random, the last two thirds of the text labelled):
                      grouping is worth.
 * ``packed_liger_chunks`` ``packed`` with liger's fused linear cross-entropy at its own chunk budget (chunks of
                      ``tokens / ceil(vocab / hidden)`` rows: 32 at Qwen3.5's vocabulary) instead of stitch's
-                     ``CHUNK_TOKENS``-row chunks (``stitch.model.cross_entropy.liger_chunk_budget``).
-* ``packed_eager``   ``packed`` with stitch.model.graphs off: every MLP block eager instead of replayed from its
+                     ``CHUNK_TOKENS``-row chunks (``stitch.kernels.cross_entropy.liger_chunk_budget``).
+* ``packed_eager``   ``packed`` with stitch.kernels.graphs off: every MLP block eager instead of replayed from its
                      CUDA graph (what the graphs are worth, in the same run).
 * ``stock``          plain transformers on the same LM and LoRA: ``--rows`` causal rows of ``--budget`` random
                      tokens, ``lm(inputs_embeds=..., labels=...)`` with ``--attn`` (sdpa), every token labelled.
@@ -255,7 +255,7 @@ def write_manifest(n: int, folder: Path) -> Path:
 
 
 def packed_attention_path(device, lm) -> str:
-    from stitch.model.attention import _varlen_attn, runs_varlen_attention
+    from stitch.kernels.attention import _varlen_attn, runs_varlen_attention
 
     if not runs_varlen_attention(lm):
         return f"{lm.get_base_model().config._attn_implementation} (block mask)"
@@ -269,7 +269,7 @@ def build_stitched(shape: str, args, host, device, lm=None, spec=None):
     another ``model.backend``) in place of a random init from the shape's config."""
     from peft import LoraConfig, get_peft_model
 
-    from stitch.model.cross_entropy import uses_liger
+    from stitch.kernels.cross_entropy import uses_liger
     from stitch.model.loading import packs_loaded
     from stitch.model.stitched import StitchedModel
     from stitch.stages.loop import make_optimizer
@@ -444,7 +444,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         optimizer.step()
         return batch, group, loss, n_labels
 
-    from stitch.model import graphs
+    from stitch.kernels import graphs
 
     with stock as lora_compute:
         for step in range(args.warmup + args.steps):
@@ -494,7 +494,7 @@ def run_mode(mode: str, model, optimizer, groups, samples, pixels, args, ids, in
         "step_s_median": round(statistics.median(times), 4),
         "host_batch_s_median": round(statistics.median(host_s[args.warmup:args.warmup + steps]), 4),
         "device_syncs_per_step": syncs and syncs["n"],
-        # blocks replayed from captured CUDA graphs (stitch.model.graphs) a timed step; 0 where shapes change
+        # blocks replayed from captured CUDA graphs (stitch.kernels.graphs) a timed step; 0 where shapes change
         "graph_replays_per_step": round(replays, 2),
         "graphs_captured_total": graphs.STATS["captured"],
         "device_sync_sources": syncs and syncs["sources"],
@@ -533,8 +533,8 @@ def stock_transformers(model, attn: str):
     stitch_varlen), peft's own adapter compute (fp32 LoRA weights, activations cast to them) in place of
     StitchedModel's half-compute LoRA, transformers' own RMSNorm / MLP / RoPE in place of stitch_qwen's fused
     kernels. Yields a description of the LoRA compute; everything is switched back on exit."""
-    from stitch.model import causal_lm
-    from stitch.model.precision import HalfComputeLinear, lora_in_half_compute, restore_peft_lora
+    from stitch.kernels.attention import causal_lm
+    from stitch.kernels.precision import HalfComputeLinear, lora_in_half_compute, restore_peft_lora
     from stitch_qwen.kernels import fused_module_counts, restore_reference_kernels, use_fused_kernels
 
     lm = model.lm
@@ -846,7 +846,7 @@ def packed_variant(mode: str, model):
     """The shipped packed step with one of its fast paths switched off inside (the ``PACKED_VARIANTS`` modes):
     transformers' own norms / MLP / RoPE / Gated DeltaNet forward, or only its Gated DeltaNet forward; liger's own
     chunk budget for the head + loss; every Gated DeltaNet input projection its own node, as before the grouping;
-    no CUDA graphs (``packed_eager``: every block eager, as before stitch.model.graphs)."""
+    no CUDA graphs (``packed_eager``: every block eager, as before stitch.kernels.graphs)."""
     if mode in ("packed_unfused", "packed_gdn_reference"):
         from stitch_qwen.kernels import (
             FUSED_MIXINS,
@@ -861,7 +861,7 @@ def packed_variant(mode: str, model):
         finally:
             use_fused_kernels(model.lm)
     elif mode == "packed_liger_chunks":
-        from stitch.model import cross_entropy
+        from stitch.kernels import cross_entropy
 
         rows, cross_entropy.LIGER_CHUNK_TOKENS = cross_entropy.LIGER_CHUNK_TOKENS, None
         try:
@@ -878,7 +878,7 @@ def packed_variant(mode: str, model):
         finally:
             qwen_kernels.shared_input_projections = grouped
     elif mode == "packed_eager":
-        from stitch.model import graphs
+        from stitch.kernels import graphs
 
         enabled, graphs.ENABLED = graphs.ENABLED, False
         try:

@@ -13,10 +13,10 @@ from typing import Any
 from stitch.config.recipe import shipped_recipes
 from stitch.data.shared_slots import SlotBytes
 from stitch.model.automodel import automodel_backend
-from stitch.model.graphs import drop_graphs, static_block
-from stitch.model.precision import shared_input_projections
+from stitch.kernels.graphs import drop_graphs, static_block
+from stitch.kernels.precision import shared_input_projections
 from stitch.model.snapshots import shrink_layer_pattern, write_random_weights
-from stitch.model.varlen import (
+from stitch.kernels.varlen import (
     fla_conv,
     fla_kernels_importable,
     fla_seqlens,

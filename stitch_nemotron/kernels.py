@@ -64,7 +64,7 @@ BACKENDS: dict[str, tuple[Callable, Callable]] = {
 def mamba2_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    cu_seqlens: torch.Tensor | None = None, backend: str = FLA) -> torch.Tensor:
     """A NemotronH Mamba-2 mixer's no-cache forward; ``cu_seqlens`` keeps the samples of one packed row apart
-    (packed batches arrive as one row: ``stitch.model.varlen.flatten_packed_rows``)."""
+    (packed batches arrive as one row: ``stitch.kernels.varlen.flatten_packed_rows``)."""
     conv, scan = BACKENDS[backend]
     batch, seqlen, _ = hidden_states.shape
     if cu_seqlens is not None and batch != 1:

@@ -14,7 +14,7 @@ import torch
 from stitch_testing import DeviceReads
 
 from stitch.data.packing import Sample, collate_packs
-from stitch.model import attention, cross_entropy
+from stitch.kernels import attention, cross_entropy
 from stitch.model import stitched as stitched_module
 from stitch.model.loading import load_model
 from stitch.model.stitched import StitchedModel
@@ -224,7 +224,7 @@ def test_bf16_lm_trains_lora_and_projector_in_bf16_on_fp32_master_weights(monkey
 
     from peft import LoraConfig, get_peft_model
 
-    from stitch.model import precision
+    from stitch.kernels import precision
 
     host = load_plugins()
     spec = host.get("models", "qwen3.5-demo")

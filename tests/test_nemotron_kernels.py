@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from stitch.data.packing import Sample, collate_packs
-from stitch.model import varlen
-from stitch.model.varlen import cu_seqlens_from_positions
+from stitch.kernels import varlen
+from stitch.kernels.varlen import cu_seqlens_from_positions
 from stitch.plugins.host import load_plugins
 from stitch_nemotron.generation import NemotronHForCausalLM
 from stitch_nemotron.kernels import (

@@ -11,7 +11,7 @@ import torch
 
 from stitch.data.packing import Sample, collate_packs
 from stitch.model.loading import load_model, packs_loaded
-from stitch.model.varlen import varlen_kernels_ready
+from stitch.kernels.varlen import varlen_kernels_ready
 from stitch.plugins.host import load_plugins
 from stitch_qwen.kernels import _conv, _rule, patch_gated_deltanet, use_varlen
 

@@ -101,7 +101,7 @@ def test_packed_batch_loss_equals_unpacked_loss_of_the_same_samples(prepared, tm
 def test_a_models_spec_decides_whether_its_lora_layers_may_run_as_cuda_graphs(prepared, tmp_path, model, graphed):
     """ModelSpec.cuda_graphs reaches the built model: Nemotron-H's blocks stay eager (its packed GPU step ran slower
     graphed), Qwen's may be captured."""
-    from stitch.model import graphs
+    from stitch.kernels import graphs
     from stitch.stages.session import StitchSession
 
     session = StitchSession.open(load_recipe(write_recipe(tmp_path / "r.yaml", model=model)), prepared / "run")

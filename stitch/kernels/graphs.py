@@ -231,7 +231,7 @@ class Layout:
         entries = [(s, n, p) for m in modules for s in m.modules() for n, p in s.named_parameters(recurse=False)
                    if p.requires_grad]
         self.owners = {id(p): (s, n) for s, n, p in entries}
-        # stitch.model.precision's one-node LoRA layers, known by their plain_adapter()
+        # stitch.kernels.precision's one-node LoRA layers, known by their plain_adapter()
         self.loras = [s for m in modules for s in m.modules() if callable(getattr(s, "plain_adapter", None))]
         self.watched = [*modules, *self.loras, *(lora.base_layer for lora in self.loras)]
         unswitched = any(hasattr(s, "lora_A") and hasattr(s, "active_adapters") and s not in self.loras

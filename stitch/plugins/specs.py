@@ -185,7 +185,7 @@ class ModelSpec:
     # installs the sample-start path on a freshly loaded model; True when it did (the model then trains packed)
     install_sample_starts: Callable[[Any], bool] | None = None
     # whether a packed GPU training step runs the model's shape-static blocks (LoRA layers, MLPs) as CUDA graphs
-    # (stitch.model.graphs); False where measured slower than eager: the copies in and out of a graph cost more than
+    # (stitch.kernels.graphs); False where measured slower than eager: the copies in and out of a graph cost more than
     # the launches it saves
     cuda_graphs: bool = True
     # optional fused kernels: import name -> pip package; without them transformers runs PyTorch reference code

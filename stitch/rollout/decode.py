@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stitch.model import causal_lm
+from stitch.kernels.attention import causal_lm
 
 log = logging.getLogger("stitch")
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stitch.model import causal_lm
+from stitch.kernels.attention import causal_lm
 
 
 def launch_world_size() -> int:
