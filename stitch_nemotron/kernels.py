@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stitch.api import fla_conv, fla_seqlens, flatten_packed_rows, reference_conv, segments
+from stitch.accel import fla_conv, fla_seqlens, flatten_packed_rows, reference_conv, segments
 
 FLA = "fla"
 REFERENCE = "reference"

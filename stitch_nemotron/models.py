@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from stitch.api import ModelSource, ModelSpec, automodel_backend, varlen_kernels_ready
+from stitch.accel import varlen_kernels_ready
+from stitch.api import ModelSource, ModelSpec, automodel_backend
 from stitch_nemotron.kernels import use_varlen
 from stitch_nemotron.published import snapshot_writer
 from stitch_nemotron.sentinels import SENTINELS

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from stitch.api import (
+from stitch.accel import (
     drop_graphs,
     fla_conv,
     fla_kernels_importable,

@@ -393,7 +393,7 @@ def test_hook_register_tasks(sft_run, use_host, tmp_path):
     assert log[-1]["reward"] == pytest.approx(0.25)
 
 
-# -- the plugin API: plugins import stitch.api and nothing else of stitch ----------------------------------------
+# -- the plugin API: plugins import stitch.api (and stitch.accel for kernels) and nothing else of stitch ---------
 
 PLUGIN_PACKAGES = [REPO / "stitch_clip", REPO / "stitch_qwen", REPO / "stitch_nemotron",
                    REPO / "templates" / "stitch-plugin"]
@@ -411,12 +411,24 @@ def stitch_imports(path: Path) -> list[str]:
     return [name for name in found if name == "stitch" or name.startswith("stitch.")]
 
 
-def test_plugins_and_the_template_import_only_the_declared_plugin_api():
+PLUGIN_API_MODULES = {"stitch.api", "stitch.accel"}
+
+
+def test_plugins_and_the_template_import_only_stitch_api_and_stitch_accel():
     files = [p for root in PLUGIN_PACKAGES for p in sorted(root.rglob("*.py"))]
     assert len(files) >= 15, files  # the walk reaches the plugin packages and the template
     offenders = {str(p.relative_to(REPO)): bad for p in files
-                 if (bad := [m for m in stitch_imports(p) if m != "stitch.api"])}
-    assert offenders == {}, f"plugins may import only stitch.api (docs/plugin-api.md): {offenders}"
+                 if (bad := [m for m in stitch_imports(p) if m not in PLUGIN_API_MODULES])}
+    assert offenders == {}, f"plugins may import only stitch.api and stitch.accel (docs/plugin-api.md): {offenders}"
+
+
+def test_stitch_api_exports_no_kernel_and_stitch_accel_only_kernels():
+    import stitch.accel
+    import stitch.api
+
+    assert set(stitch.accel.__all__) & set(stitch.api.__all__) == set()
+    homes = {name: getattr(stitch.accel, name).__module__ for name in stitch.accel.__all__}
+    assert all(home.startswith(("stitch.kernels.", "stitch.data.shared_slots")) for home in homes.values()), homes
 
 
 def test_the_import_walk_catches_a_core_import_inside_a_function(tmp_path):
@@ -425,9 +437,12 @@ def test_the_import_walk_catches_a_core_import_inside_a_function(tmp_path):
     assert stitch_imports(sneaky) == ["stitch.kernels.varlen", "stitch.api"]
 
 
-def test_plugin_api_doc_lists_every_name_stitch_api_exports():
+def test_plugin_api_doc_lists_every_name_stitch_api_and_stitch_accel_export():
+    import stitch.accel
     import stitch.api
 
     doc = (REPO / "docs" / "plugin-api.md").read_text()
-    missing = [name for name in stitch.api.__all__ if f"`{name}`" not in doc]
+    api_part, _, accel_part = doc.partition("# stitch.accel")
+    missing = [name for name in stitch.api.__all__ if f"`{name}`" not in api_part]
+    missing += [f"stitch.accel.{name}" for name in stitch.accel.__all__ if f"`{name}`" not in accel_part]
     assert missing == [], f"docs/plugin-api.md does not describe {missing}"
