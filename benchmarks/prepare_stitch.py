@@ -90,7 +90,7 @@ class NullTower:
 
 def bench_host(smoke: bool, null_tower: bool = False):
     from stitch.plugins.hookspecs import hookimpl
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
     from stitch.plugins.specs import ModelSource
     from stitch_clip.encoder import CLIP_B32
 

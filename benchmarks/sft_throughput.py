@@ -210,7 +210,7 @@ def plugin_host():
     import stitch_clip
     import stitch_nemotron
     import stitch_qwen
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     return load_plugins(
         extra={"stitch-clip": stitch_clip, "stitch-qwen": stitch_qwen, "stitch-nemotron": stitch_nemotron},

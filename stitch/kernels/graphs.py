@@ -1,7 +1,7 @@
 """CUDA graphs for the shape-static blocks of a training step.
 
 A packed SFT step on a 4B model is paced by the host: ~4,100 kernel launches and ~20,000 dispatched operators a
-step for ~130-160 ms of device work (BENCHMARKS.md §0s). Packing makes a step's shapes static (every step is
+step for ~130-160 ms of device work. Packing makes a step's shapes static (every step is
 ``rows x token_budget`` tokens), so a block whose work depends only on its input's shape (a plain LoRA layer: two
 casts and three GEMMs forward, seven launches backward; an MLP; a Gated DeltaNet's four input projections) can be
 captured once and replayed: one copy and one graph launch forward, one copy, one graph launch and a copy per

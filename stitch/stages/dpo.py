@@ -17,7 +17,7 @@ from stitch.data.packing import Sample, collate_packs
 from stitch.model.scatter import PlaceholderCountError
 from stitch.runs.checkpoint import random_from_json, random_to_json
 from stitch.stages.logprobs import sequence_logprob
-from stitch.stages.loop import Stage, StageContext, run_stage
+from stitch.stages.loop import Stage, StageContext
 
 
 def preference_pairs(task: Any, rows: list[Any], rng: random.Random, partition: str) -> tuple[list[dict[str, Any]], int]:
@@ -95,7 +95,7 @@ class DPOStage(Stage):
         from stitch.tasks import resolve_task
 
         opts, session = self.opts, ctx.session
-        self.task = resolve_task(ctx.recipe, session.host)
+        self.task = resolve_task(ctx.recipe, session.registry)
         rows = list(session.data.rows(opts.partition))
         # the pairs are fixed for the run: a generator draws from its own seeded stream, not the data order's
         self.pairs, self.skipped = preference_pairs(self.task, rows, random.Random(f"dpo-pairs-{opts.seed}"),
@@ -150,9 +150,3 @@ class DPOStage(Stage):
             "margin_first": history[0]["margin"] if history else None,
             "margin_last": history[-1]["margin"] if history else None,
         }
-
-
-def train_dpo(recipe: Any, out_dir: Any, *, resume: bool = False, max_steps: int | None = None,
-              progress: bool = True) -> dict[str, Any]:
-    """``run_stage(recipe, "dpo", ...)`` under its former name (stitch.stages.chain still calls it)."""
-    return run_stage(recipe, "dpo", out_dir, resume=resume, max_steps=max_steps, progress=progress)

@@ -10,7 +10,7 @@ from stitch.tasks import majority_baseline, resolve_task
 
 
 def recipe_task(session: Any) -> TaskSpec:
-    return resolve_task(session.recipe, session.host)
+    return resolve_task(session.recipe, session.registry)
 
 
 def graded_rows(session: Any, partition: str, task: TaskSpec, limit: int | None = None) -> list[Any]:
@@ -41,7 +41,7 @@ def generate_answers(session: Any, model: Any, rows: list[Any], max_new_tokens: 
                for row in rows]
     engine = EmbeddedEngine(model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id,
                             suppress_ids=list(session.sentinel_ids.as_dict().values()))
-    return greedy_answers(payload_for(session.host, session.encoder_spec), model, engine, session.tokenizer,
+    return greedy_answers(payload_for(session.registry, session.encoder_spec), model, engine, session.tokenizer,
                           prompts, max_new_tokens, zero_features)
 
 

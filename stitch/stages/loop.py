@@ -21,8 +21,9 @@ from typing import Any, ClassVar
 import torch
 
 from stitch.config.options import STAGE_OPTIONS, StageOptions
-from stitch.config.recipe import RecipeError
+from stitch.config.recipe import Recipe, RecipeError
 from stitch.model.binding import ModelBinding
+from stitch.plugins.registry import Registry
 from stitch.runs.checkpoint import (
     latest_step_dir,
     load_step_state,
@@ -40,14 +41,14 @@ from stitch.stages.session import StitchSession
 log = logging.getLogger("stitch")
 
 
-def stage_options(recipe: Any, name: str) -> StageOptions:
+def stage_options(recipe: Recipe, name: str) -> StageOptions:
     """The stage's typed options (the recipe holds them typed); a missing stage is refused naming it."""
     if name not in STAGE_OPTIONS:
         raise ValueError(f"unknown stage {name!r}; known: {list(STAGE_OPTIONS)}")
     return recipe.stage_options(name)
 
 
-def checked_options(recipe: Any, name: str) -> StageOptions:
+def checked_options(recipe: Recipe, name: str) -> StageOptions:
     """The stage's options after its own checks (combinations it cannot honour are refused, naming the field)."""
     from stitch.stages.registry import STAGES
 
@@ -84,8 +85,8 @@ def trainable_by_group(model: Any) -> dict[str, int]:
 
 def make_optimizer(groups: list[dict[str, Any]], weight_decay: float) -> torch.optim.Optimizer:
     """AdamW over the parameter groups; its fused CUDA kernel when every parameter is on a GPU (one launch per
-    step instead of torch's default multi-tensor path's dozens; measured 8.7 ms of a 250 ms 4B LoRA step on the
-    H200). The state it keeps and saves is the same; CPU runs and sharded (FSDP2) parameters keep the default."""
+    step instead of torch's default multi-tensor path's dozens, a few percent of a 4B LoRA step). The state it keeps
+    and saves is the same; CPU runs and sharded (FSDP2) parameters keep the default."""
     params = [p for g in groups for p in g["params"]]
     fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)  # not FSDP's DTensors
     return torch.optim.AdamW(groups, weight_decay=weight_decay, **({"fused": True} if fused else {}))
@@ -109,7 +110,7 @@ class Stage:
     def __init__(self, opts: Any) -> None:
         self.opts = opts
 
-    def check(self, recipe: Any) -> None:
+    def check(self, recipe: Recipe) -> None:
         """Refuse option combinations this stage cannot honour (before any data or weights load)."""
 
     def model_args(self) -> dict[str, Any]:
@@ -142,7 +143,7 @@ class Stage:
 class StageContext:
     """Everything the phases share; a stage's ``step`` reads the model, session and options from here."""
 
-    recipe: Any
+    recipe: Recipe
     name: str
     opts: Any
     runner: Stage
@@ -197,15 +198,16 @@ class StageContext:
             return evaluate_accuracy(self.session, self.model, self.opts.eval_partition, limit=self.opts.eval_rows)
 
 
-def run_stage(recipe: Any, name: str, out_dir: Path, *, resume: bool = False, max_steps: int | None = None,
-              progress: bool = True) -> dict[str, Any]:
-    """Run stage ``name`` of ``recipe`` under ``out_dir``; returns its summary (also written to summary.json).
+def run_stage(recipe: Recipe, name: str, out_dir: Path, *, registry: Registry, resume: bool = False,
+              max_steps: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run stage ``name`` of ``recipe`` under ``out_dir`` with the specs the recipe names in ``registry`` (the
+    plugin host, resolved by the CLI); returns its summary (also written to summary.json).
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this for a data-parallel stage; rank 0 alone writes."""
     with ExitStack() as cleanup:  # closes what a stage opened (Ray-placed rollout workers), also on error
         if launch_rank() == 0:  # one process per run directory (torchrun's other ranks work under rank 0's lock)
             cleanup.enter_context(RunLock(Path(out_dir), f"train {name}"))
-        ctx = setup(recipe, name, Path(out_dir), cleanup, resume=resume, progress=progress)
+        ctx = setup(recipe, name, Path(out_dir), cleanup, registry=registry, resume=resume, progress=progress)
         load_checkpoint(ctx)
         train(ctx, max_steps)
         summary = summarize(ctx)
@@ -216,7 +218,8 @@ def run_stage(recipe: Any, name: str, out_dir: Path, *, resume: bool = False, ma
 # -- phases --------------------------------------------------------------------------------------------------
 
 
-def setup(recipe: Any, name: str, out_dir: Path, cleanup: ExitStack, *, resume: bool, progress: bool) -> StageContext:
+def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, registry: Registry, resume: bool,
+          progress: bool) -> StageContext:
     """Options, launch check, binding, warm-start gate, model, optimizer (one group per component), scheduler."""
     from stitch.stages.registry import STAGES
 
@@ -236,7 +239,7 @@ def setup(recipe: Any, name: str, out_dir: Path, cleanup: ExitStack, *, resume: 
                           f"start `stitch train {name}` without torchrun")
     dp = DataParallel.from_env() if entry.data_parallel else DataParallel()
     torch.manual_seed(opts.seed)
-    session = StitchSession.open(recipe, out_dir, dtype=getattr(torch, opts.dtype), device=dp.device)
+    session = StitchSession.open(recipe, out_dir, registry, dtype=getattr(torch, opts.dtype), device=dp.device)
     ctx = StageContext(recipe, name, opts, runner, session, dp, cleanup, progress=progress)
     if resume:
         ctx.resume_from = latest_step_dir(ctx.checkpoints)

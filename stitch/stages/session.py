@@ -10,25 +10,28 @@ from typing import Any
 
 import torch
 
+from stitch.config.recipe import Recipe
 from stitch.data.feature_cache import ManifestRow, PreparedData
 from stitch.data.packing import Sample
 from stitch.model.binding import ModelBinding
+from stitch.plugins.registry import Registry
 from stitch.runs.layout import RunLayout
 
 
 @dataclass
 class StitchSession:
-    recipe: Any
+    recipe: Recipe
     layout: RunLayout
     binding: ModelBinding
     data: PreparedData
 
     @classmethod
-    def open(cls, recipe: Any, out_dir: Path, dtype: torch.dtype = torch.float32,
+    def open(cls, recipe: Recipe, out_dir: Path, registry: Registry, dtype: torch.dtype = torch.float32,
              device: str | None = None) -> StitchSession:
-        """Resolve the recipe's registrations and the prepared data before any model weights load."""
+        """Resolve the recipe's registrations in ``registry`` and the prepared data before any model weights
+        load."""
         layout = RunLayout(out_dir)
-        binding = ModelBinding.for_recipe(recipe, dtype=dtype, device=device)
+        binding = ModelBinding.for_recipe(recipe, registry, dtype=dtype, device=device)
         if not layout.manifest.is_file():
             raise FileNotFoundError(
                 f"{layout.manifest} does not exist: run `stitch prepare --recipe {recipe.name} "
@@ -39,7 +42,7 @@ class StitchSession:
     # what evaluation and the stages read often, named once here
     @property
     def host(self) -> Any:
-        return self.binding.host
+        return self.binding.registry
 
     @property
     def model_spec(self) -> Any:

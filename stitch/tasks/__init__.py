@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from stitch.config.recipe import Recipe
+from stitch.plugins.registry import Registry
 from stitch.plugins.specs import TaskRow, TaskSpec
 
 DEFAULT_TASK = "exact-match"
@@ -41,15 +43,15 @@ def _where(recipe: Any) -> str:
     return f"recipe {str(path) if path else getattr(recipe, 'name', '?')!r}"
 
 
-def resolve_task(recipe: Any, host: Any) -> TaskSpec:
-    """The TaskSpec of ``recipe.task`` (default ``exact-match``): a task registered in ``host`` (a PluginHost),
+def resolve_task(recipe: Recipe, registry: Registry) -> TaskSpec:
+    """The TaskSpec of ``recipe.task`` (default ``exact-match``): a task registered in ``registry``,
     or a task whose reward (and optional grader) are user functions ``(completion: str, row: TaskRow) -> float``.
     """
     name, reward, grade = _task_fields(recipe)
     if reward is None:
         try:
-            return host.get("tasks", name)
-        except KeyError as exc:  # the host's RegistryLookupError: it lists the registered tasks
+            return registry.get("tasks", name)
+        except KeyError as exc:  # the registry's lookup error: it lists the registered tasks
             raise TaskError(f"{_where(recipe)}: field 'task': {exc}") from exc
     reward_fn = load_function(reward, "task.reward", recipe)
     grade_fn = load_function(grade, "task.grade", recipe) if grade else None
@@ -58,10 +60,10 @@ def resolve_task(recipe: Any, host: Any) -> TaskSpec:
                     + "; DPO pairs from the dataset's rejected column")
 
 
-def check_task(recipe: Any, host: Any) -> TaskSpec:
+def check_task(recipe: Recipe, registry: Registry) -> TaskSpec:
     """``resolve_task`` at load time, plus the contracts the recipe's stages need from the task: DPO needs
     pairs, either from the task's generator or from the dataset's ``rejected`` column."""
-    task = resolve_task(recipe, host)
+    task = resolve_task(recipe, registry)
     stages = getattr(recipe, "stages", {}) or {}
     columns = getattr(getattr(recipe, "data", None), "columns", None)
     if "dpo" in stages and task.rejected is None and getattr(columns, "rejected", None) is None:
