@@ -13,11 +13,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stitch.data.collator import tokenize_example
 from stitch.data.packing import Sample, collate_packs
 from stitch.model.scatter import PlaceholderCountError
 from stitch.runs.checkpoint import random_from_json, random_to_json
 from stitch.stages.logprobs import sequence_logprob
 from stitch.stages.loop import Stage, StageContext
+from stitch.tasks import resolve_task
 
 
 def preference_pairs(task: Any, rows: list[Any], rng: random.Random, partition: str) -> tuple[list[dict[str, Any]], int]:
@@ -41,8 +43,6 @@ def preference_pairs(task: Any, rows: list[Any], rng: random.Random, partition: 
 
 
 def branch_sample(session: Any, row: Any, answer: str, features: torch.Tensor) -> Sample:
-    from stitch.data.collator import tokenize_example
-
     messages = list(row.messages[:-1]) + [{"role": "assistant", "content": answer}]
     tokens = session.encoder_spec.tokens_per_item
     ids, labels = tokenize_example(session.tokenizer, messages, session.sentinel_ids, tokens,
@@ -92,8 +92,6 @@ class DPOStage(Stage):
         return {"train_projector": False}
 
     def build(self, ctx: StageContext) -> None:
-        from stitch.tasks import resolve_task
-
         opts, session = self.opts, ctx.session
         self.task = resolve_task(ctx.recipe, session.registry)
         rows = list(session.data.rows(opts.partition))

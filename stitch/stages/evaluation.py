@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from stitch.plugins.specs import TaskSpec
+from stitch.rollout.engines import EmbeddedEngine
+from stitch.rollout.prompts import payload_for, prompt_embeddings
 from stitch.tasks import majority_baseline, resolve_task
 
 
@@ -24,8 +26,6 @@ def greedy_answers(payload: Any, model: Any, engine: Any, tokenizer: Any,
                    zero_features: bool = False) -> list[str]:
     """Greedy answers to ``(row_id, prompt token ids, cached features)`` from ``engine``, prompts built through
     ``payload`` (the encoder's rollout payload) and ``model``'s projector."""
-    from stitch.rollout.prompts import prompt_embeddings
-
     embeds = prompt_embeddings(payload, model, prompts, zero_features=zero_features)
     completions = engine.generate(embeds, 1, max_new_tokens, greedy=True)
     return [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
@@ -34,9 +34,6 @@ def greedy_answers(payload: Any, model: Any, engine: Any, tokenizer: Any,
 def generate_answers(session: Any, model: Any, rows: list[Any], max_new_tokens: int = 12,
                      zero_features: bool = False) -> list[str]:
     """Greedy answers of ``model`` to ``rows`` (their cached features; ``zero_features``: zeroed, a control)."""
-    from stitch.rollout.engines import EmbeddedEngine
-    from stitch.rollout.prompts import payload_for
-
     prompts = [(row.id, session.prompt_ids(row.question, row.num_items), session.data.features(row))
                for row in rows]
     engine = EmbeddedEngine(model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id,

@@ -20,9 +20,11 @@ from stitch.config.recipe import Recipe, RecipeError
 from stitch.data.packing import Sample, collate_packs
 from stitch.rollout.engines import sampling_seed
 from stitch.rollout.prompts import payload_for, prompt_embeddings
+from stitch.rollout.ray_rollout import RayRolloutEngine
 from stitch.runs.checkpoint import random_from_json, random_to_json
 from stitch.stages.logprobs import token_logprobs
 from stitch.stages.loop import Stage, StageContext
+from stitch.tasks import resolve_task
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -122,8 +124,6 @@ class GRPOStage(Stage):
         return {"train_projector": self.opts.train_projector}
 
     def build(self, ctx: StageContext) -> None:
-        from stitch.tasks import resolve_task
-
         opts, session, model = self.opts, ctx.session, ctx.model
         self.task = resolve_task(ctx.recipe, session.registry)
         rows = list(session.data.rows(opts.partition))
@@ -145,8 +145,6 @@ class GRPOStage(Stage):
         common = {"pad_id": binding.pad_id, "eos_id": binding.tokenizer.eos_token_id,
                   "suppress_ids": binding.suppress_ids}
         if opts.placement == "ray":
-            from stitch.rollout.ray_rollout import RayRolloutEngine
-
             self.engine = RayRolloutEngine.for_recipe(ctx.recipe, lm, engine=opts.engine,
                                                       model=binding.model_spec.name, registry=binding.registry,
                                                       snapshot=binding.snapshot,

@@ -22,7 +22,9 @@ import torch
 
 from stitch.config.options import STAGE_OPTIONS, StageOptions
 from stitch.config.recipe import Recipe, RecipeError
+from stitch.config.validate import check_launch
 from stitch.model.binding import ModelBinding
+from stitch.model.provenance import check_warm_start
 from stitch.plugins.registry import Registry
 from stitch.runs.checkpoint import (
     latest_step_dir,
@@ -36,6 +38,8 @@ from stitch.runs.layout import RunLayout
 from stitch.runs.lock import RunLock
 from stitch.runs.metrics import MetricsLog, peak_memory_bytes
 from stitch.stages.distributed import DataParallel, launch_rank, launch_world_size
+from stitch.stages.evaluation import evaluate_accuracy
+from stitch.stages.registry import STAGES
 from stitch.stages.session import StitchSession
 
 log = logging.getLogger("stitch")
@@ -50,8 +54,6 @@ def stage_options(recipe: Recipe, name: str) -> StageOptions:
 
 def checked_options(recipe: Recipe, name: str) -> StageOptions:
     """The stage's options after its own checks (combinations it cannot honour are refused, naming the field)."""
-    from stitch.stages.registry import STAGES
-
     opts = stage_options(recipe, name)
     STAGES[name].stage_class()(opts).check(recipe)
     return opts
@@ -192,8 +194,6 @@ class StageContext:
 
     def evaluate(self) -> float:
         """The recipe task's held-out accuracy on ``eval_partition`` (sharded weights gathered for generation)."""
-        from stitch.stages.evaluation import evaluate_accuracy
-
         with self.dp.full_parameters(self.model):
             return evaluate_accuracy(self.session, self.model, self.opts.eval_partition, limit=self.opts.eval_rows)
 
@@ -221,8 +221,6 @@ def run_stage(recipe: Recipe, name: str, out_dir: Path, *, registry: Registry, r
 def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, registry: Registry, resume: bool,
           progress: bool) -> StageContext:
     """Options, launch check, binding, warm-start gate, model, optimizer (one group per component), scheduler."""
-    from stitch.stages.registry import STAGES
-
     if name not in STAGES:
         raise ValueError(f"unknown stage {name!r}; known: {list(STAGES)}")
     entry = STAGES[name]
@@ -230,8 +228,6 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
     runner = entry.stage_class()(opts)
     world = launch_world_size()
     if entry.data_parallel:
-        from stitch.config.validate import check_launch
-
         check_launch(recipe, name, opts, world)
     elif world > 1:
         raise RecipeError(f"{name} runs in one process (WORLD_SIZE={world} here): only "
@@ -286,8 +282,6 @@ def warm_start_source(session: StitchSession, entry: Any, opts: Any) -> Path | N
         )
     verify_checksums(donor)  # the donor's files are the ones it wrote
     if "adapter" in entry.warm_parts:
-        from stitch.model.provenance import check_warm_start
-
         # what this stage restates about the donor's adapter (rank, alpha); by default the donor stage's own
         lora = getattr(opts, "lora", None) or stage_options(session.recipe, entry.warm_start).lora
         check_warm_start(donor, session.binding.warm_start_expectations(lora))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from stitch.config.recipe import Recipe
+from stitch.data.collator import tokenize_example
 from stitch.data.feature_cache import ManifestRow, PreparedData
 from stitch.data.packing import Sample
 from stitch.model.binding import ModelBinding
@@ -81,8 +82,6 @@ class StitchSession:
 
     def make_sample(self, record: dict[str, Any]) -> Sample:
         """A manifest record as a training sample: the chat tokenized with its placeholders, and its features."""
-        from stitch.data.collator import tokenize_example
-
         row = ManifestRow.from_json(record, str(self.manifest_path))
         input_ids, labels = tokenize_example(
             self.tokenizer, row.messages, self.sentinel_ids, self.encoder_spec.tokens_per_item, row.num_items,
