@@ -27,7 +27,7 @@ class TaskError(ValueError):
     """The recipe's task cannot be resolved; the message names the field, the module or file and the function."""
 
 
-def _task_fields(recipe: Any) -> tuple[str | None, str | None, str | None]:
+def _task_fields(recipe: Recipe) -> tuple[str | None, str | None, str | None]:
     """(name, reward, grade) from ``recipe.task``: None, a name, a mapping or a TaskConfig-like object."""
     task = getattr(recipe, "task", None)
     if task is None:
@@ -38,7 +38,7 @@ def _task_fields(recipe: Any) -> tuple[str | None, str | None, str | None]:
     return get("name"), get("reward"), get("grade")
 
 
-def _where(recipe: Any) -> str:
+def _where(recipe: Recipe) -> str:
     path = getattr(recipe, "path", None)
     return f"recipe {str(path) if path else getattr(recipe, 'name', '?')!r}"
 
@@ -75,7 +75,7 @@ def check_task(recipe: Recipe, registry: Registry) -> TaskSpec:
     return task
 
 
-def load_function(target: str, field: str, recipe: Any = None) -> Callable[[str, TaskRow], float]:
+def load_function(target: str, field: str, recipe: Recipe | None = None) -> Callable[[str, TaskRow], float]:
     """The function named by ``module:function`` or ``path/to/file.py:function`` (a relative file is found
     from the recipe's directory); refused naming ``field``, the module or file and the function."""
     where = (f"{_where(recipe)}: " if recipe is not None else "") + f"field {field!r} = {target!r}"
@@ -109,7 +109,7 @@ def load_function(target: str, field: str, recipe: Any = None) -> Callable[[str,
     return fn
 
 
-def _module_from_file(spec_path: str, where: str, recipe: Any) -> Any:
+def _module_from_file(spec_path: str, where: str, recipe: Recipe | None) -> Any:
     path = Path(spec_path).expanduser()
     if not path.is_absolute():
         recipe_path = getattr(recipe, "path", None)
