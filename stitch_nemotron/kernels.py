@@ -1,7 +1,8 @@
 """Nemotron-H's Mamba-2 mixer on flash-linear-attention's Triton kernels, with sample boundaries.
 
 Why: transformers runs the Mamba-2 scan on ``mamba_ssm`` + ``causal_conv1d`` CUDA builds or else on a PyTorch
-reference that is several times slower and, at 4,096 tokens on a 4B shape, asks for 28–42 GiB blocks. Neither CUDA package has a wheel for this stack. Mamba-2's state-space dual is exactly simple
+reference that is several times slower and, at 4,096 tokens on a 4B shape, asks for 28–42 GiB blocks. Neither
+CUDA package has a wheel for this stack. Mamba-2's state-space dual is exactly simple
 gated linear attention with one scalar decay per head::
 
     h_t = exp(dt_t * A) h_{t-1} + (dt_t x_t) B_t^T        (state [head_dim, state_size] per head)

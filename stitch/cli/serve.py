@@ -107,7 +107,8 @@ def serve(
         address = f"http://{server.server_address[0]}:{server.server_address[1]}/v1"
         console.print(f"serving {server.model_name!r} at {address}", highlight=False)
 
-    run_server(_checkpoint_of(checkpoint), get_host(), host=host, port=port, engine=engine, model_name=model_name,
+    run_server(_checkpoint_of(checkpoint), get_host(), host=host, port=port, engine=engine,
+               model_name=model_name,
                max_pixels=max_image_pixels, ready=ready)
 
 

@@ -78,7 +78,8 @@ def run(
     loaded = _load(recipe, overrides)
     out = out or Path("runs") / loaded.name
     validate_recipe(loaded, get_host())  # every stage's options, before any data or weights are touched
-    summary = run_chain(loaded, out, registry=get_host(), stages=DEFAULT_STAGES + (("dpo",) if dpo else ()), resume=not fresh)
+    summary = run_chain(loaded, out, registry=get_host(), stages=DEFAULT_STAGES + (("dpo",) if dpo else ()),
+                        resume=not fresh)
     table = Table(title=f"stitch run {loaded.name} -> {out}")
     for col in ("stage", "seconds", "eval accuracy", "notes"):
         table.add_column(col)
