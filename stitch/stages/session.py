@@ -42,7 +42,7 @@ class StitchSession:
 
     # what evaluation and the stages read often, named once here
     @property
-    def host(self) -> Any:
+    def registry(self) -> Registry:
         return self.binding.registry
 
     @property
