@@ -299,7 +299,7 @@ def test_grpo_rewards_with_the_recipe_task_on_the_rows_it_accepts(sft_run, tmp_p
         return 0.25
 
     task = TaskSpec(name="quarter", reward=reward, accepts=lambda row: row.id == first)
-    monkeypatch.setattr("stitch.tasks.resolve_task", lambda recipe, host=None: task)
+    monkeypatch.setattr("stitch.stages.grpo.resolve_task", lambda recipe, registry: task)
     summary = run_stage(load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__steps=1)), "grpo", run,
                         progress=False, registry=get_host())
     assert summary["task"] == "quarter" and summary["reward_end"] == 0.25
