@@ -1,7 +1,8 @@
-"""The plugin API: everything a stitch plugin may import, in one module (see docs/plugin-api.md).
+"""The plugin API: hook marker, spec types and building blocks for registrations (see docs/plugin-api.md).
 
-Plugins import from ``stitch.api`` only; the rest of ``stitch`` is internal and may move between releases
-(``tests/test_hooks_used.py`` walks the first-party plugins and the template with ``ast`` for this).
+Plugins import ``stitch.api`` and, for the kernels a model's layers call, ``stitch.accel``; the rest of ``stitch``
+is internal and may move between releases (``tests/test_hooks_used.py`` walks the first-party plugins and the
+template with ``ast`` for this).
 """
 
 from __future__ import annotations
@@ -11,22 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from stitch.config.recipe import shipped_recipes
-from stitch.data.shared_slots import SlotBytes
+from stitch.data.shared_slots import SlotBytes  # noqa: F401  (stitch_clip imports it here; see stitch.accel)
+from stitch.host.host import load_plugins
 from stitch.model.automodel import automodel_backend
-from stitch.model.graphs import drop_graphs, static_block
-from stitch.model.precision import shared_input_projections
 from stitch.model.snapshots import shrink_layer_pattern, write_random_weights
-from stitch.model.varlen import (
-    fla_conv,
-    fla_kernels_importable,
-    fla_seqlens,
-    flatten_packed_rows,
-    reference_conv,
-    segments,
-    varlen_kernels_ready,
-)
 from stitch.plugins.hookspecs import hookimpl
-from stitch.plugins.host import load_plugins
 from stitch.plugins.specs import (
     EncoderSpec,
     ModelBackend,
@@ -65,7 +55,6 @@ __all__ = [
     "automodel_backend",
     "feature_payload_spec",
     "shipped_recipes",
-    "SlotBytes",
     # tiny presets (random-init snapshots built locally) and the demo base's pre-training
     "chatml_template",
     "padded_vocab_size",
@@ -74,19 +63,6 @@ __all__ = [
     # full-size random-init snapshots in a published checkpoint layout (`stitch snapshot`)
     "shrink_layer_pattern",
     "write_random_weights",
-    # packed training of hybrid layers: sample starts on one flattened row
-    "fla_conv",
-    "fla_seqlens",
-    "fla_kernels_importable",
-    "flatten_packed_rows",
-    # shape-static training blocks replayed as CUDA graphs
-    "static_block",
-    "drop_graphs",
-    "reference_conv",
-    "segments",
-    "varlen_kernels_ready",
-    # several LoRA projections of one input as one autograd node (a model plugin's fused layer)
-    "shared_input_projections",
 ]
 
 # The tiny presets' building blocks live in stitch.demo, which the core imports only lazily (on first call).

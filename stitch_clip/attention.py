@@ -1,9 +1,9 @@
 """``stitch_vit``: the CLIP tower's attention as one Triton kernel written for a ViT's short rows.
 
-Why: ViT-B/32 attends 50 tokens in 12 heads of 64. On the H200 torch's sdpa ran that (cuDNN's kernel, its pick) at
-4.4-5.7 ms per 2,048 images over the 11 layers (BENCHMARKS.md §0k), while the layers' query, key, value and output
-rows are ~1.4 ms of HBM traffic: kernels tiled for long sequences spend most of their time on padding and set-up.
-CUTLASS's memory-efficient kernel was faster but gave an image other bits in another batch size (§0m); this
+Why: ViT-B/32 attends 50 tokens in 12 heads of 64. On a Hopper GPU torch's sdpa (cuDNN's kernel, its pick) takes
+3-4x the time the layers' query, key, value and output rows need in HBM traffic: kernels tiled for long sequences
+spend most of their time on padding and set-up. CUTLASS's memory-efficient kernel is faster but gives an image other
+bits in another batch size; this
 kernel computes each image alone, so prepare's batches and serving's single images get the same features.
 
 Where the kernel cannot run (a CPU, fp32, a mask, dropout, rows longer than ``MAX_TOKENS``, a head width Triton's

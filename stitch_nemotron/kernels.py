@@ -1,8 +1,8 @@
 """Nemotron-H's Mamba-2 mixer on flash-linear-attention's Triton kernels, with sample boundaries.
 
 Why: transformers runs the Mamba-2 scan on ``mamba_ssm`` + ``causal_conv1d`` CUDA builds or else on a PyTorch
-reference that is several times slower and, at 4,096 tokens on a 4B shape, asks for 28–42 GiB blocks (see
-BENCHMARKS.md). Neither CUDA package has a wheel for this stack. Mamba-2's state-space dual is exactly simple
+reference that is several times slower and, at 4,096 tokens on a 4B shape, asks for 28–42 GiB blocks. Neither
+CUDA package has a wheel for this stack. Mamba-2's state-space dual is exactly simple
 gated linear attention with one scalar decay per head::
 
     h_t = exp(dt_t * A) h_{t-1} + (dt_t x_t) B_t^T        (state [head_dim, state_size] per head)
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stitch.api import fla_conv, fla_seqlens, flatten_packed_rows, reference_conv, segments
+from stitch.accel import fla_conv, fla_seqlens, flatten_packed_rows, reference_conv, segments
 
 FLA = "fla"
 REFERENCE = "reference"
@@ -64,7 +64,7 @@ BACKENDS: dict[str, tuple[Callable, Callable]] = {
 def mamba2_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    cu_seqlens: torch.Tensor | None = None, backend: str = FLA) -> torch.Tensor:
     """A NemotronH Mamba-2 mixer's no-cache forward; ``cu_seqlens`` keeps the samples of one packed row apart
-    (packed batches arrive as one row: ``stitch.model.varlen.flatten_packed_rows``)."""
+    (packed batches arrive as one row: ``stitch.kernels.varlen.flatten_packed_rows``)."""
     conv, scan = BACKENDS[backend]
     batch, seqlen, _ = hidden_states.shape
     if cu_seqlens is not None and batch != 1:

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from stitch.api import ModelSource, ModelSpec, automodel_backend, varlen_kernels_ready
+from stitch.accel import varlen_kernels_ready
+from stitch.api import ModelSource, ModelSpec, automodel_backend
 from stitch_nemotron.kernels import use_varlen
 from stitch_nemotron.published import snapshot_writer
 from stitch_nemotron.sentinels import SENTINELS
@@ -106,9 +107,9 @@ def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, d
         packing_when=varlen_kernels_ready,
         install_sample_starts=install_sample_starts,
         kernels={"fla": "flash-linear-attention"},
-        # a packed Nemotron-Nano-4B step on the H200 ran ~5 % slower with its LoRA layers as CUDA graphs (median
-        # 16,190 against 17,058 tokens/s, and 16,270 with the Mamba-2 mixers' elementwise sides graphed too): it is
-        # paced by the device, so the copies in and out of each graph cost more than the launches saved
+        # a packed Nemotron-Nano-4B step is ~5 % slower with its LoRA layers as CUDA graphs (and with the Mamba-2
+        # mixers' elementwise sides graphed too): it is paced by the device, so the copies in and out of each graph
+        # cost more than the launches saved
         cuda_graphs=False,
         packing_note=PACKING_NOTE,
         snapshot=snapshot_writer(name) if published else None,

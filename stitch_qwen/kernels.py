@@ -4,7 +4,7 @@ SwiGLU and RoPE on GPU tensors (``use_fused_kernels``, at the end).
 transformers already hands ``cu_seq_lens_q`` to the Gated DeltaNet rule (fla's varlen ``chunk_gated_delta_rule``
 when fla is installed), but its short causal conv ignores it, and fla's varlen kernels take one flattened row.
 stitch closes both gaps: ``use_varlen`` flattens packed rows into one row carrying the sample starts
-(``stitch.model.varlen.flatten_packed_rows``) and wraps the two module-level functions the layer calls so that, given
+(``stitch.kernels.varlen.flatten_packed_rows``) and wraps the two module-level functions the layer calls so that, given
 the starts, the conv restarts at each sample (fla's varlen conv on a GPU) and, off the GPU, the rule runs sample by
 sample on transformers' own PyTorch code. Without starts both wrappers call the original unchanged.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from stitch.api import (
+from stitch.accel import (
     drop_graphs,
     fla_conv,
     fla_kernels_importable,
@@ -96,7 +96,7 @@ def use_varlen(model: Any) -> None:
 # Each RMSNorm costs ~7 elementwise kernels forward (fp32 upcast, square, mean, rsqrt, two products, downcast) and
 # more backward, a SwiGLU two plus its backward, RoPE's rotate-half ~5 per tensor: with 4 norms, one MLP and one RoPE
 # a layer that is thousands of small launches per training step. liger's Triton kernels do each in one. The modules
-# are switched by class (deep-copy safe, as stitch.model.precision does), and every switched forward runs the
+# are switched by class (deep-copy safe, as stitch.kernels.precision does), and every switched forward runs the
 # original PyTorch code on any tensor that is not on a GPU, so CPU runs and tests keep the reference path.
 
 # RMSNorm class -> (liger offset, liger casting mode) that reproduce its math: Qwen3 is Llama's (weight * x.to(dtype)),

@@ -7,7 +7,8 @@ import logging
 import re
 from typing import Any
 
-from stitch.api import ModelSource, ModelSpec, automodel_backend, varlen_kernels_ready
+from stitch.accel import varlen_kernels_ready
+from stitch.api import ModelSource, ModelSpec, automodel_backend
 from stitch_qwen.kernels import install_fused_kernels, use_fused_kernels, use_varlen
 from stitch_qwen.published import snapshot_writer
 from stitch_qwen.sentinels import SENTINELS

@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from stitch.host.host import get_host
+
 
 @pytest.fixture(scope="session", autouse=True)
 def stitch_cache(tmp_path_factory: pytest.TempPathFactory):
@@ -24,7 +26,7 @@ def stitch_cache(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def host():
     """A freshly loaded PluginHost (installed plugins, env filters applied)."""
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     return load_plugins()
 
@@ -41,7 +43,7 @@ def prepared(tmp_path_factory, stitch_cache):
     root = tmp_path_factory.mktemp("prepared")
     recipe = load_recipe(write_recipe(root / "small.yaml"))
     prepare(recipe, root / "run" / "data", progress=False)
-    run_stage(recipe, "alignment", root / "run", progress=False)
+    run_stage(recipe, "alignment", root / "run", progress=False, registry=get_host())
     return root
 
 
@@ -58,5 +60,5 @@ def sft_run(prepared, tmp_path_factory):
     root = tmp_path_factory.mktemp("sft-run")
     shutil.copytree(prepared / "run", root / "run")
     recipe = load_recipe(write_recipe(root / "small.yaml", stages__sft__steps=4))
-    run_stage(recipe, "sft", root / "run", progress=False)
+    run_stage(recipe, "sft", root / "run", progress=False, registry=get_host())
     return root / "run"

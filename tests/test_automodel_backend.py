@@ -19,7 +19,7 @@ needs_automodel = pytest.mark.skipif(not AUTOMODEL, reason="nemo_automodel does 
 
 
 def host():
-    from stitch.plugins.host import get_host
+    from stitch.host.host import get_host
 
     return get_host()
 
@@ -49,7 +49,7 @@ def loss_and_lora_grads(spec, device: str = "cpu"):
 
     binding, batch = padded_batch(spec)
     batch = batch.to(device)
-    lm = load_model(spec, dtype=torch.float32, device=device if device != "cpu" else None)
+    lm = load_model(spec, dtype=torch.float32, device=device if device != "cpu" else None, registry=host())
     lm.requires_grad_(False)
     torch.manual_seed(1)  # the same projector and LoRA init on both backends (after loading: its RNG use differs)
     model = binding.build_model(lora=LoraOptions(r=4, alpha=8, dropout=0.0), lm=lm).to(device)
@@ -110,7 +110,7 @@ def test_automodel_backend_lora_adapter_saves_and_reloads_exactly(tmp_path):
 
     spec = with_backend(host().get("models", "qwen3.5-moe-tiny"), "automodel")
     binding, _ = padded_batch(spec)
-    model = binding.build_model(lora=LoraOptions(r=4, alpha=8, dropout=0.0), lm=load_model(spec).requires_grad_(False))
+    model = binding.build_model(lora=LoraOptions(r=4, alpha=8, dropout=0.0), lm=load_model(spec, registry=host()).requires_grad_(False))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
@@ -129,7 +129,7 @@ def test_automodel_backend_lora_adapter_saves_and_reloads_exactly(tmp_path):
     manifest = read_projector_manifest(tmp_path / "step" / "projector")
     assert manifest["base_model_backend"] == "automodel"
     with pytest.raises(BackendError, match="trained on model.backend 'automodel'"):
-        ModelBinding.for_artifact(manifest, "checkpoint step", host=host())
+        ModelBinding.for_artifact(manifest, "checkpoint step", registry=host())
 
 
 def test_backend_the_plugin_does_not_offer_is_refused_by_name():

@@ -22,6 +22,7 @@ from PIL import Image
 from stitch.config.recipe import load_recipe
 from stitch.data.feature_cache import PreparedData
 from stitch.data.prepare import REPORT_NAME, PrepareError, prepare
+from stitch.host.host import get_host
 
 pytest.importorskip("stitch_clip", reason="the tiny CLIP encoder comes from the stitch-clip plugin")
 
@@ -46,7 +47,7 @@ PREPARED = ["sentinels-str", "sentinels-list", "dict-path", "rgba", "cmyk", "gra
 
 @pytest.fixture(scope="module")
 def host_module():
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     return load_plugins()
 
@@ -188,7 +189,7 @@ def test_prepared_hostile_rows_train_a_few_alignment_steps(hostile, host_module,
 
     recipe = load_recipe(hostile_recipe(hostile))
     prepare(recipe, tmp_path / "run" / "data", host=host_module, encoder=clip, progress=False)
-    summary = run_stage(recipe, "alignment", tmp_path / "run", progress=False)
+    summary = run_stage(recipe, "alignment", tmp_path / "run", progress=False, registry=get_host())
     assert summary["steps"] == 2 and summary["loss_first"] is not None
     assert (tmp_path / "run" / "alignment" / "checkpoints" / "step_2" / "projector").is_dir()
 
@@ -280,7 +281,7 @@ def test_a_row_whose_prompt_would_not_collate_is_skipped_at_prepare_and_every_ad
     assert bad["sentinels-str"]["column"] == "question" and bad["sentinels-str"]["position"] == 0
     assert "start sentinel tokens" in bad["sentinels-str"]["reason"] and "expected 1" in bad["sentinels-str"]["reason"]
     assert "qwen3.5-tiny" in bad["sentinels-str"]["reason"]
-    session = StitchSession.open(recipe, tmp_path / "run", device="cpu")
+    session = StitchSession.open(recipe, tmp_path / "run", device="cpu", registry=get_host())
     for record in (json.loads(line) for line in session.manifest_path.open()):
         session.make_sample(record)  # training's own tokenization of every admitted row
 
@@ -293,7 +294,7 @@ def test_a_row_that_cannot_collate_in_training_is_named_by_its_row_id(hostile, h
     recipe = load_recipe(hostile_recipe(hostile, partitions={"alignment": [0, 2]}, scan_cap=2))
     prepare(recipe, tmp_path / "run" / "data", host=host_module, encoder=clip, progress=False)
     _tokenizer_that_reads_sentinel_text_as_control_tokens(monkeypatch)  # the tokenizer changed after prepare
-    session = StitchSession.open(recipe, tmp_path / "run", device="cpu")
+    session = StitchSession.open(recipe, tmp_path / "run", device="cpu", registry=get_host())
     record = json.loads(session.manifest_path.open().readline())
     with pytest.raises(CollatorError, match=r"row 'sentinels-str': the rendered prompt holds \d+ start sentinel"):
         session.make_sample(record)

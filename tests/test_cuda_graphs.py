@@ -1,4 +1,4 @@
-"""stitch.model.graphs: a shape-static block (an MLP, a LoRA layer) replays one captured CUDA graph per forward and
+"""stitch.kernels.graphs: a shape-static block (an MLP, a LoRA layer) replays one captured CUDA graph per forward and
 backward instead of its launches one by one. The CPU tests check what a captured graph is keyed on and that nothing is captured
 off a GPU; the GPU tests check that a replayed block trains exactly as the eager one does (losses and gradients over
 optimizer steps that change the adapter in place) and that a second forward before its backward runs eagerly."""
@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from stitch.model import graphs
-from stitch.model.precision import lora_in_half_compute
+from stitch.kernels import graphs
+from stitch.kernels.precision import lora_in_half_compute
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -180,7 +180,7 @@ def test_on_a_gpu_a_packed_qwen35_step_replays_its_projections_and_mlps_with_the
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from stitch.model.varlen import varlen_kernels_ready
+    from stitch.kernels.varlen import varlen_kernels_ready
     from stitch_qwen import kernels
 
     if not varlen_kernels_ready() or kernels.fla_gdn_functions() is None or kernels.liger_functions() is None:

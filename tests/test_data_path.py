@@ -23,6 +23,7 @@ from stitch.data.feature_cache import (
 )
 from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, MAX_OBJECTS, SHAPES, SIZES, answer_text
 from stitch.model.projector import FeatureWidthError, check_feature_width
+from stitch.runs.digest import file_sha256
 
 BASE = {
     "name": "t",
@@ -295,7 +296,7 @@ def test_a_shard_file_is_byte_for_byte_what_safetensors_writes_and_its_digest_is
     int64 is not a shard dtype: it goes through safetensors' writer and a re-read."""
     from safetensors.torch import load_file, save_file
 
-    from stitch.data.feature_cache import file_sha256, write_tensor_file
+    from stitch.data.feature_cache import write_tensor_file
 
     features = (torch.randn(5, 3, 7) * 100).to(dtype)
     # metadata as a shard's: JSON text, here with quotes, a backslash, a newline, a tab and non-ASCII text
@@ -311,7 +312,7 @@ def test_a_shard_file_is_byte_for_byte_what_safetensors_writes_and_its_digest_is
 def test_a_shard_written_from_a_non_contiguous_tensor_holds_its_values_in_order(tmp_path):
     from safetensors.torch import load_file
 
-    from stitch.data.feature_cache import file_sha256, write_tensor_file
+    from stitch.data.feature_cache import write_tensor_file
 
     features = torch.randn(4, 6, 3).to(torch.bfloat16).transpose(0, 1)  # [6, 4, 3], not contiguous
     digest = write_tensor_file(tmp_path / "t.safetensors", "features", features, {"k": "v"})
@@ -346,4 +347,4 @@ def test_a_shard_digest_covers_every_byte_even_when_the_hashing_thread_is_slower
     features = torch.randn(4, 5, 6).to(torch.bfloat16)
     digest = feature_cache.write_tensor_file(tmp_path / "s.safetensors", "features", features, {"k": "v"})
     monkeypatch.undo()
-    assert digest == feature_cache.file_sha256(tmp_path / "s.safetensors")
+    assert digest == file_sha256(tmp_path / "s.safetensors")

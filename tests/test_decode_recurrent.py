@@ -37,7 +37,7 @@ def family_lm(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32
 
     from stitch.model.loading import load_model
     from stitch.model.stitched import StitchedModel
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     spec = load_plugins().get("models", name)
     lm = load_model(spec, dtype=dtype).to(device)

@@ -193,7 +193,7 @@ def test_on_a_gpu_graphed_fp32_decode_gives_generates_greedy_tokens_and_logprobs
 def test_grouped_decode_attention_equals_sdpa_over_repeated_kv_heads_under_a_key_mask():
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    from stitch.model.attention import grouped_decode_applies, grouped_decode_attention
+    from stitch.kernels.attention import grouped_decode_applies, grouped_decode_attention
 
     gen = torch.Generator().manual_seed(0)
     rows, heads, kv, length, dim = 3, 8, 2, 11, 16

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stitch.model.snapshots import ensure_snapshot
+from stitch.host.host import get_host
+from stitch.plugins.snapshot_cache import ensure_snapshot
 
 
 def digests(snapshot: Path) -> dict[str, str]:
@@ -131,9 +132,9 @@ def test_annotator_options_are_refused_for_a_builtin_without_an_annotator(tmp_pa
     from stitch.config.recipe import RecipeError, load_recipe
 
     with pytest.raises(RecipeError, match="annotator_rows"):
-        load_recipe("demo-colors", overrides=["data.source.annotator_rows=[0, 10]"])
+        load_recipe("demo-colors", get_host(), overrides=["data.source.annotator_rows=[0, 10]"])
     with pytest.raises(RecipeError, match="annotator_rows"):
-        load_recipe("demo", overrides=["data.source.annotator_rows=[10, 5]"])
+        load_recipe("demo", get_host(), overrides=["data.source.annotator_rows=[10, 5]"])
 
 
 @pytest.mark.parametrize("name", ["clip-demo", "clip-tiny"])
@@ -169,7 +170,7 @@ def test_reading_the_demo_bases_tokenizer_builds_no_weights_and_matches_the_full
                                                                                          monkeypatch):
     """Prepare's row checks read the tokenizer; for the demo base that must not mean pre-training an LM."""
     from stitch.model.loading import load_tokenizer
-    from stitch.model.snapshots import snapshot_dir, snapshot_ready
+    from stitch.plugins.snapshot_cache import snapshot_dir, snapshot_ready
 
     spec = host.get("models", "qwen3.5-demo")
     full = ensure_snapshot(spec.source.builder_key, spec.source.builder)  # the session cache's build
@@ -189,7 +190,7 @@ def test_a_preset_built_under_another_transformers_version_is_built_again_not_re
     # version in config.json, so sharing one cache entry made the byte-identity test fail after the quickstart
     import transformers
 
-    from stitch.model.snapshots import snapshot_dir
+    from stitch.plugins.snapshot_cache import snapshot_dir
 
     monkeypatch.setenv("STITCH_CACHE", str(tmp_path))
     builds = []

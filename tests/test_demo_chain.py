@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from stitch.host.host import get_host
+
 MAJORITY = 1 / 8  # counts 1..8, each exactly 50 times in the 400 held-out rows
 EVAL_ROWS = 400
 # Measured from empty caches on the 2-core machine (3 seeds, README): SFT 0.8675-0.8725 on 400 held-out rows (its
@@ -89,7 +91,7 @@ def test_zeroed_features_control_scores_near_chance(demo_run):
     from stitch.stages.session import StitchSession
 
     out, _ = demo_run
-    session = StitchSession.open(load_recipe("demo"), out)
+    session = StitchSession.open(load_recipe("demo", get_host()), out, registry=get_host())
     step = Path(json.loads((out / "sft" / "summary.json").read_text())["checkpoint"])
     model = session.binding.build_model(adapter_from=step / "adapter", projector_from=step / "projector")
     with_features = evaluate_accuracy(session, model, "eval", limit=EVAL_ROWS)

@@ -18,6 +18,7 @@ from stitch_testing import copy_prepared, write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.config.validate import check_launch, validate_recipe
+from stitch.host.host import get_host
 from stitch.stages.loop import run_stage, stage_options
 
 REL = 1e-5  # one process vs two on the same global batch: fp32 summation order only
@@ -57,6 +58,7 @@ import sys
 from pathlib import Path
 from stitch.config.recipe import load_recipe
 from stitch.stages.loop import run_stage
+from stitch.host.host import get_host
 
 recipe = load_recipe(sys.argv[1])
 run_stage(recipe, "alignment", Path(sys.argv[2]), progress=False)
@@ -72,7 +74,7 @@ def test_two_processes_match_one_and_checkpoints_resume_across_world_sizes(prepa
 
     # one process: the reference curve, 4 SFT steps (checkpoints at 2 and 4)
     ref = _with_alignment(prepared, tmp_path / "ref")
-    run_stage(recipe, "sft", ref, progress=False)
+    run_stage(recipe, "sft", ref, progress=False, registry=get_host())
     want = _metrics(ref, "sft")
 
     # two processes, fresh: alignment (vs the fixture's one-process alignment), then SFT steps 1-2
@@ -99,7 +101,7 @@ def test_two_processes_match_one_and_checkpoints_resume_across_world_sizes(prepa
     }
 
     # 2 -> 1: the two-process step_2 resumes in one process and continues the reference curve
-    run_stage(recipe, "sft", sft2, resume=True, progress=False)
+    run_stage(recipe, "sft", sft2, resume=True, progress=False, registry=get_host())
     _assert_losses_match(_metrics(sft2, "sft"), want)
 
     # 1 -> 2: the reference's step_2 resumes under torchrun through the CLI
@@ -151,14 +153,14 @@ def _recipe(tmp_path: Path, **overrides):
 def test_impossible_parallel_layout_is_refused_at_load_with_the_arithmetic(tmp_path, parallel, overrides, message):
     recipe = _recipe(tmp_path, parallel=parallel, **overrides)
     with pytest.raises(RecipeError) as err:
-        validate_recipe(recipe)
+        validate_recipe(recipe, get_host())
     assert message in str(err.value)
 
 
 def test_possible_parallel_layout_validates(tmp_path):
     recipe = _recipe(tmp_path, parallel={"world_size": 2, "data_parallel": 2, "gpus": {"policy": 1, "rollout": 1}})
     assert recipe.parallel.world_size == 2 and recipe.parallel.policy_gpus == 1
-    validate_recipe(recipe)
+    validate_recipe(recipe, get_host())
 
 
 def test_unknown_parallel_field_is_refused_naming_it(tmp_path):
@@ -173,7 +175,7 @@ def test_launch_whose_world_size_differs_from_the_recipe_is_refused_before_any_w
     # no prepared data under tmp_path/run: the refusal comes first
     with pytest.raises(RecipeError, match=r"parallel\.world_size=2, but this launch has WORLD_SIZE=1; start it "
                                           r"with `torchrun --nproc-per-node 2 -m stitch train sft"):
-        run_stage(recipe, "sft", tmp_path / "run", progress=False)
+        run_stage(recipe, "sft", tmp_path / "run", progress=False, registry=get_host())
 
 
 def test_launch_world_size_that_does_not_divide_the_batch_is_refused(tmp_path):

@@ -14,11 +14,11 @@ import torch
 from stitch_testing import DeviceReads
 
 from stitch.data.packing import Sample, collate_packs
-from stitch.model import attention, cross_entropy
+from stitch.host.host import get_host, load_plugins
+from stitch.kernels import attention, cross_entropy
 from stitch.model import stitched as stitched_module
 from stitch.model.loading import load_model
 from stitch.model.stitched import StitchedModel
-from stitch.plugins.host import load_plugins
 
 PRESETS = ["qwen3.5-demo", "qwen3.5-tiny", "nemotron-nano-tiny"]
 FEATURE_WIDTH = 16
@@ -32,7 +32,7 @@ def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Stitc
 
     host = load_plugins()
     spec = host.get("models", name)
-    lm = load_model(spec, dtype=dtype)
+    lm = load_model(spec, dtype=dtype, registry=get_host())
     lm.requires_grad_(False)
     if name == "qwen3.5-tiny":
         from stitch_qwen.kernels import use_varlen
@@ -179,7 +179,7 @@ def test_chunked_linear_cross_entropy_gives_hidden_weight_and_bias_grads_of_the_
 @pytest.mark.parametrize("name", PRESETS)
 def test_generation_and_padded_logits_unchanged_by_the_varlen_attention(name):
     host = load_plugins()
-    lm = load_model(host.get("models", name), dtype=torch.float32).eval()
+    lm = load_model(host.get("models", name), dtype=torch.float32, registry=get_host()).eval()
     assert lm.config._attn_implementation == "sdpa"
     prompt = torch.tensor([[5, 9, 14, 22, 31, 8, 40], [0, 0, 7, 66, 80, 12, 3]])
     mask = torch.tensor([[1] * 7, [0, 0] + [1] * 5])
@@ -224,11 +224,11 @@ def test_bf16_lm_trains_lora_and_projector_in_bf16_on_fp32_master_weights(monkey
 
     from peft import LoraConfig, get_peft_model
 
-    from stitch.model import precision
+    from stitch.kernels import precision
 
     host = load_plugins()
     spec = host.get("models", "qwen3.5-demo")
-    lm = load_model(spec, dtype=torch.bfloat16)
+    lm = load_model(spec, dtype=torch.bfloat16, registry=get_host())
     lm.requires_grad_(False)
     torch.manual_seed(0)
     lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=list(spec.lora_target_modules),

@@ -18,7 +18,7 @@ SCRIPT = """
 import ctypes, ctypes.util, dataclasses, gc, json, sys
 from pathlib import Path
 import torch.distributed as dist
-import stitch.plugins.host as plugin_host
+import stitch.host.host as plugin_host
 import stitch.stages.distributed as distributed
 from stitch.api import hookimpl
 from stitch.config.recipe import load_recipe

@@ -16,7 +16,7 @@ ON_HOPPER = torch.cuda.is_available() and gemm.hopper("cuda")
 
 @pytest.fixture(scope="module")
 def clip_tiny():
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     return load_plugins().get("encoders", "clip-tiny")
 

@@ -20,10 +20,10 @@ import yaml
 from stitch_testing import BASE, write_recipe
 
 from stitch.config.recipe import load_recipe
+from stitch.host import host as host_module
+from stitch.host.host import RegistryLookupError, get_host, load_plugins
 from stitch.model.loading import load_model, packs_loaded
-from stitch.plugins import host as host_module
 from stitch.plugins.hookspecs import hookimpl
-from stitch.plugins.host import RegistryLookupError, load_plugins
 from stitch.plugins.specs import (
     EncoderSpec,
     ModelSource,
@@ -39,6 +39,7 @@ from stitch.plugins.specs import (
 from stitch.rollout.engines import Completion
 from stitch.rollout.payloads import PayloadError, feature_payload_spec
 from stitch.rollout.prompts import payload_for, prompt_embeddings
+from stitch.stages.loop import run_stage
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENS, WIDTH = 3, 8  # the probe encoder's contract: small, and unlike any shipped encoder's
@@ -150,7 +151,7 @@ def demo_spec(**changes: Any) -> Any:
 def open_session(recipe: Any, run: Path) -> Any:
     from stitch.stages.session import StitchSession
 
-    return StitchSession.open(recipe, run, device="cpu")
+    return StitchSession.open(recipe, run, device="cpu", registry=get_host())
 
 
 def test_hook_register_token_sentinels(probe_run, use_host, tmp_path):
@@ -209,7 +210,7 @@ def test_hook_register_state_dict_adapters(use_host, tmp_path):
     a name nobody registered is refused before any weight is read."""
     from safetensors.torch import load_file, save_file
 
-    from stitch.model.snapshots import ensure_snapshot
+    from stitch.plugins.snapshot_cache import ensure_snapshot
 
     base = demo_spec()
     text_snapshot = ensure_snapshot(base.source.builder_key, base.source.builder)
@@ -228,15 +229,15 @@ def test_hook_register_state_dict_adapters(use_host, tmp_path):
                                    applies_to=lambda snapshot: (Path(snapshot) / "WRAPPED").exists())
     host = use_host(probe=plugin(register_state_dict_adapters=[adapter]))
     spec = dataclasses.replace(base, state_dict_adapter="probe-unwrap")
-    model = load_model(spec, source=ModelSource(local_path=str(wrapped)), host=host)
+    model = load_model(spec, source=ModelSource(local_path=str(wrapped)), registry=host)
     assert converted == [len(weights)]
     for name, tensor in model.state_dict().items():
         if name in weights:
             assert torch.equal(tensor, weights[name]), name
-    plain = load_model(spec, host=host)  # the preset's own snapshot is not in the adapter's layout: read as is
+    plain = load_model(spec, registry=host)  # the preset's own snapshot is not in the adapter's layout: read as is
     assert converted == [len(weights)] and type(plain) is type(model)
     with pytest.raises(RegistryLookupError, match="no state-dict adapter named 'probe-misspelt'"):
-        load_model(dataclasses.replace(base, state_dict_adapter="probe-misspelt"), host=host)
+        load_model(dataclasses.replace(base, state_dict_adapter="probe-misspelt"), registry=host)
 
 
 def test_packing_of_a_loaded_model_comes_from_what_its_binding_installed_at_load():
@@ -249,7 +250,7 @@ def test_packing_of_a_loaded_model_comes_from_what_its_binding_installed_at_load
         return len(installed) == 2  # the first load "cannot", the second "can"
 
     spec = demo_spec(supports_packing=False, install_sample_starts=install)
-    first, second = load_model(spec), load_model(spec)
+    first, second = load_model(spec, registry=get_host()), load_model(spec, registry=get_host())
     assert installed == [first, second]
     assert not packs_loaded(spec, torch.nn.ModuleDict({"lm": first}))
     assert packs_loaded(spec, torch.nn.ModuleDict({"lm": second}))  # as inside StitchedModel / peft
@@ -348,7 +349,7 @@ def test_hook_register_rollout_engines(probe_run, use_host, tmp_path):
     model = session.binding.build_model(lora={"r": 2, "alpha": 4})
     session.binding.save_trainable(model, tmp_path / "step-1", "sft")
     write_checksums(tmp_path / "step-1")  # as every checkpoint stitch writes: served steps are verified first
-    served = Stitched(tmp_path / "step-1", engine="probe-engine", device="cpu")
+    served = Stitched(tmp_path / "step-1", engine="probe-engine", device="cpu", registry=get_host())
     assert made and served.engine is made[0]
     made[0].answer_ids = served.tokenizer("The answer is 3.", add_special_tokens=False)["input_ids"]
     from PIL import Image
@@ -366,14 +367,12 @@ def test_hook_register_recipes(use_host, tmp_path):
     path = tmp_path / "shipped.yaml"
     path.write_text(yaml.safe_dump({**BASE, "name": "probe-shipped"}, sort_keys=False))
     host = load_plugins(extra={"probe": plugin(register_recipes=[RecipeSpec("probe-recipe", path)])})
-    recipe = load_recipe("probe-recipe", host=host)
+    recipe = load_recipe("probe-recipe", host)
     assert recipe.name == "probe-shipped" and Path(recipe.path) == path.resolve()
 
 
 def test_hook_register_tasks(sft_run, use_host, tmp_path):
     """GRPO's step rewards every sampled completion with the recipe's registered task."""
-    from stitch.stages.grpo import train_grpo
-
     calls: list[tuple[str, TaskRow]] = []
 
     def reward(completion: str, row: TaskRow) -> float:
@@ -384,7 +383,7 @@ def test_hook_register_tasks(sft_run, use_host, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(sft_run, run)
     recipe = load_recipe(write_recipe(tmp_path / "small.yaml", task="probe-task", stages__grpo__steps=1))
-    train_grpo(recipe, run, max_steps=1)
+    run_stage(recipe, "grpo", run, registry=get_host(), max_steps=1)
     grpo = recipe.stages["grpo"]
     prompts, group = (grpo.prompts_per_step, grpo.group_size) if hasattr(grpo, "group_size") else (
         grpo["prompts_per_step"], grpo["group_size"])
@@ -393,7 +392,7 @@ def test_hook_register_tasks(sft_run, use_host, tmp_path):
     assert log[-1]["reward"] == pytest.approx(0.25)
 
 
-# -- the plugin API: plugins import stitch.api and nothing else of stitch ----------------------------------------
+# -- the plugin API: plugins import stitch.api (and stitch.accel for kernels) and nothing else of stitch ---------
 
 PLUGIN_PACKAGES = [REPO / "stitch_clip", REPO / "stitch_qwen", REPO / "stitch_nemotron",
                    REPO / "templates" / "stitch-plugin"]
@@ -411,23 +410,38 @@ def stitch_imports(path: Path) -> list[str]:
     return [name for name in found if name == "stitch" or name.startswith("stitch.")]
 
 
-def test_plugins_and_the_template_import_only_the_declared_plugin_api():
+PLUGIN_API_MODULES = {"stitch.api", "stitch.accel"}
+
+
+def test_plugins_and_the_template_import_only_stitch_api_and_stitch_accel():
     files = [p for root in PLUGIN_PACKAGES for p in sorted(root.rglob("*.py"))]
     assert len(files) >= 15, files  # the walk reaches the plugin packages and the template
     offenders = {str(p.relative_to(REPO)): bad for p in files
-                 if (bad := [m for m in stitch_imports(p) if m != "stitch.api"])}
-    assert offenders == {}, f"plugins may import only stitch.api (docs/plugin-api.md): {offenders}"
+                 if (bad := [m for m in stitch_imports(p) if m not in PLUGIN_API_MODULES])}
+    assert offenders == {}, f"plugins may import only stitch.api and stitch.accel (docs/plugin-api.md): {offenders}"
+
+
+def test_stitch_api_exports_no_kernel_and_stitch_accel_only_kernels():
+    import stitch.accel
+    import stitch.api
+
+    assert set(stitch.accel.__all__) & set(stitch.api.__all__) == set()
+    homes = {name: getattr(stitch.accel, name).__module__ for name in stitch.accel.__all__}
+    assert all(home.startswith(("stitch.kernels.", "stitch.data.shared_slots")) for home in homes.values()), homes
 
 
 def test_the_import_walk_catches_a_core_import_inside_a_function(tmp_path):
     sneaky = tmp_path / "sneaky.py"
-    sneaky.write_text("def f():\n    from stitch.model.varlen import segments\n    import stitch.api\n")
-    assert stitch_imports(sneaky) == ["stitch.model.varlen", "stitch.api"]
+    sneaky.write_text("def f():\n    from stitch.kernels.varlen import segments\n    import stitch.api\n")
+    assert stitch_imports(sneaky) == ["stitch.kernels.varlen", "stitch.api"]
 
 
-def test_plugin_api_doc_lists_every_name_stitch_api_exports():
+def test_plugin_api_doc_lists_every_name_stitch_api_and_stitch_accel_export():
+    import stitch.accel
     import stitch.api
 
     doc = (REPO / "docs" / "plugin-api.md").read_text()
-    missing = [name for name in stitch.api.__all__ if f"`{name}`" not in doc]
+    api_part, _, accel_part = doc.partition("# stitch.accel")
+    missing = [name for name in stitch.api.__all__ if f"`{name}`" not in api_part]
+    missing += [f"stitch.accel.{name}" for name in stitch.accel.__all__ if f"`{name}`" not in accel_part]
     assert missing == [], f"docs/plugin-api.md does not describe {missing}"

@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 
+from stitch.host.host import load_plugins
 from stitch.model.loading import kernel_report
-from stitch.plugins.host import load_plugins
 
 
 @pytest.mark.parametrize("name,package", [("qwen3.5-4b", "flash-linear-attention"), ("nemotron-3-nano-4b", "flash-linear-attention")])

@@ -11,9 +11,9 @@ import torch
 
 from stitch.data.sentinels import SentinelError, resolve_sentinels
 from stitch.demo.tiny import padded_vocab_size
+from stitch.host.host import get_host, load_plugins
 from stitch.model.loading import load_model, load_tokenizer
-from stitch.model.snapshots import ensure_snapshot
-from stitch.plugins.host import load_plugins
+from stitch.plugins.snapshot_cache import ensure_snapshot
 from stitch.plugins.specs import ModelSource, SentinelSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def loaded(plugins):
     def get(name: str):
         if name not in cache:
             spec = plugins.get("models", name)
-            cache[name] = (spec, load_model(spec).eval(), load_tokenizer(spec))
+            cache[name] = (spec, load_model(spec, registry=get_host()).eval(), load_tokenizer(spec))
         return cache[name]
 
     return get
@@ -154,7 +154,7 @@ def test_a_checkpoint_whose_hidden_size_differs_from_the_spec_is_refused(loaded,
     with pytest.raises(
         ValueError, match=rf"{name}.*hidden_size={spec.hidden_size * 2}.*hidden_size={spec.hidden_size}"
     ):
-        load_model(wrong)
+        load_model(wrong, registry=get_host())
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -200,7 +200,7 @@ def test_peft_accepts_the_lora_target_set_wraps_every_listed_family_and_merges_l
     from peft import LoraConfig, get_peft_model
 
     spec = plugins.get("models", name)
-    model = load_model(spec).eval()
+    model = load_model(spec, registry=get_host()).eval()
     linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     config = LoraConfig(
         r=4,
@@ -234,7 +234,7 @@ def test_peft_refuses_lora_on_mamba_out_proj_and_conv1d_as_the_nemotron_exclusio
     spec = plugins.get("models", "nemotron-nano-tiny")
     assert any(module in family for family in spec.lora_exclusions)
     with pytest.raises(ValueError, match=module):
-        get_peft_model(load_model(spec), LoraConfig(r=4, target_modules=["in_proj", module]))
+        get_peft_model(load_model(spec, registry=get_host()), LoraConfig(r=4, target_modules=["in_proj", module]))
 
 
 @pytest.mark.parametrize(
@@ -300,7 +300,7 @@ def test_vlm_layout_snapshot_loads_through_the_adapter_with_the_text_models_logi
     spec, text_model, _ = loaded(name)
     vlm = write_vlm_layout(snapshot_dir(spec), tmp_path / "vlm")
     assert "text_config" in json.loads((vlm / "config.json").read_text())
-    model = load_model(spec, source=ModelSource(local_path=str(vlm)))
+    model = load_model(spec, source=ModelSource(local_path=str(vlm)), registry=get_host())
     assert type(model) is type(text_model)
     x = torch.tensor(PROMPT)
     with torch.no_grad():
@@ -318,7 +318,7 @@ def test_vlm_adapter_refuses_a_key_it_cannot_place_by_name(loaded, plugins, tmp_
         snapshot_dir(spec), tmp_path / "vlm", extra={"audio_tower.proj.weight": torch.ones(2)}
     )
     with pytest.raises(ValueError, match=r"audio_tower\.proj\.weight"):
-        load_model(spec, source=ModelSource(local_path=str(vlm)))
+        load_model(spec, source=ModelSource(local_path=str(vlm)), registry=get_host())
 
 
 def test_vlm_adapter_maps_language_model_keys_and_drops_only_the_vision_tower_and_mtp_head(plugins):

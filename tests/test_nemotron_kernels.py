@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from stitch.data.packing import Sample, collate_packs
-from stitch.model import varlen
-from stitch.model.varlen import cu_seqlens_from_positions
-from stitch.plugins.host import load_plugins
+from stitch.host.host import get_host, load_plugins
+from stitch.kernels import varlen
+from stitch.kernels.varlen import cu_seqlens_from_positions
 from stitch_nemotron.generation import NemotronHForCausalLM
 from stitch_nemotron.kernels import (
     FLA,
@@ -152,10 +152,10 @@ def test_the_loader_reports_the_sample_start_path_and_training_packs_exactly_the
 
     spec = load_plugins().get("models", "nemotron-nano-tiny")
     monkeypatch.setattr(nemotron_models, "varlen_kernels_ready", lambda: False)
-    plain = load_model(spec)
+    plain = load_model(spec, registry=get_host())
     assert not packs_loaded(spec, plain)
     monkeypatch.setattr(nemotron_models, "varlen_kernels_ready", lambda: True)
-    fitted = load_model(spec)
+    fitted = load_model(spec, registry=get_host())
     assert packs_loaded(spec, torch.nn.ModuleDict({"lm": fitted}))  # as inside StitchedModel / peft
     assert any(type(m).__name__ == "KernelMamba2Mixer" for m in fitted.modules())
 

@@ -12,15 +12,15 @@ from stitch_testing import write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.config.validate import check_launch, validate_recipe
-from stitch.plugins.host import load_plugins
+from stitch.host.host import get_host, load_plugins
 
 MULTI_GPU = {"qwen3.5-4b-grpo-2gpu": (2, 1), "qwen3.5-4b-grpo-8gpu": (8, 7)}  # name -> (GPUs, rollout replicas)
 
 
 def _refusal(name: str, *overrides: str) -> str:
-    recipe = load_recipe(name, overrides=overrides)
+    recipe = load_recipe(name, get_host(), overrides=overrides)
     with pytest.raises(RecipeError) as err:
-        validate_recipe(recipe)
+        validate_recipe(recipe, get_host())
     return str(err.value)
 
 
@@ -34,8 +34,8 @@ def test_the_multi_gpu_recipes_are_shipped():
 @pytest.mark.parametrize("name", sorted(MULTI_GPU))
 def test_multi_gpu_grpo_recipe_places_the_policy_and_its_replicas_on_exactly_its_gpus(name):
     gpus, replicas = MULTI_GPU[name]
-    recipe = load_recipe(name)
-    validate_recipe(recipe)
+    recipe = load_recipe(name, get_host())
+    validate_recipe(recipe, get_host())
     par, grpo = recipe.parallel, recipe.stages["grpo"]
     assert (par.world_size, par.rollout_replicas, grpo.placement) == (gpus, replicas, "ray")
     assert par.policy_gpus + par.rollout_gpus * par.rollout_replicas == par.world_size  # no GPU left idle
@@ -47,7 +47,7 @@ def test_multi_gpu_grpo_recipe_places_the_policy_and_its_replicas_on_exactly_its
 @pytest.mark.parametrize("name", sorted(MULTI_GPU))
 def test_multi_gpu_recipe_header_launches_data_parallel_stages_on_its_world_and_grpo_in_one_process(name):
     gpus, _ = MULTI_GPU[name]
-    recipe = load_recipe(name)
+    recipe = load_recipe(name, get_host())
     launch = re.compile(r"^#   ((?:torchrun .* -m )?stitch (?:train (\w+)|prepare) .*)$")
     found = [m for line in recipe.path.read_text().splitlines() if (m := launch.match(line))]
     commands = [m.group(1) for m in found]
@@ -61,7 +61,7 @@ def test_multi_gpu_recipe_header_launches_data_parallel_stages_on_its_world_and_
 
 
 def test_sft_of_a_multi_gpu_recipe_started_without_torchrun_is_refused_with_the_command():
-    recipe = load_recipe("qwen3.5-4b-grpo-8gpu")
+    recipe = load_recipe("qwen3.5-4b-grpo-8gpu", get_host())
     with pytest.raises(RecipeError, match=r"parallel\.world_size=8, but this launch has WORLD_SIZE=1; start it "
                                           r"with `torchrun --nproc-per-node 8 -m stitch train sft"):
         check_launch(recipe, "sft", recipe.stages["sft"], 1)
@@ -105,7 +105,7 @@ def test_placed_roles_with_one_replica_may_stay_colocated(tmp_path):
     parallel = {"world_size": 2, "gpus": {"policy": 1, "rollout": 1}, "rollout_replicas": 1}
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", parallel=parallel))
     assert recipe.parallel.roles_given and recipe.stages["grpo"].placement == "colocated"
-    validate_recipe(recipe)
+    validate_recipe(recipe, get_host())
 
 
 # -- the refit payload, end to end on gloo (no Ray: the worker is constructed directly) -------------------------
@@ -119,8 +119,8 @@ def test_rollout_worker_holds_exactly_the_policys_merged_weights_after_each_broa
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
 
+    from stitch.host.host import get_host
     from stitch.model.loading import load_model
-    from stitch.plugins.host import get_host
     from stitch.rollout.ray_rollout import (
         RolloutWorker,
         broadcast_state_dict,
@@ -128,14 +128,15 @@ def test_rollout_worker_holds_exactly_the_policys_merged_weights_after_each_broa
         manifest_of,
         new_group,
         validate_payload,
+        worker_specs,
     )
     from stitch.rollout.vllm_engine import merged_state_dict
 
     spec = get_host().get("models", "qwen3.5-tiny")  # random-init, built in seconds
-    policy = get_peft_model(load_model(spec), LoraConfig(r=4, lora_alpha=8, bias="none",
+    policy = get_peft_model(load_model(spec, registry=get_host()), LoraConfig(r=4, lora_alpha=8, bias="none",
                                                          target_modules=list(spec.lora_target_modules)))
-    worker = RolloutWorker(1, engine="embedded", model=spec.name, dtype="float32", pad_id=0, eos_id=None,
-                           suppress_ids=[], engine_config=None, vocab_size=None, env={}, seed=0)
+    worker = RolloutWorker(1, engine="embedded", model=spec.name, specs=worker_specs(get_host(), "embedded", spec.name),
+                           dtype="float32", pad_id=0, eos_id=None, suppress_ids=[], engine_config=None, vocab_size=None, env={}, seed=0)
     base = {k: v.clone() for k, v in worker.lm.state_dict().items()}
     timeout = datetime.timedelta(seconds=60)
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timeout, wait_for_workers=False)

@@ -139,7 +139,7 @@ def test_without_liger_nothing_is_switched(monkeypatch):
 
 
 def test_the_qwen_bindings_install_the_fused_kernels_at_load(monkeypatch):
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     seen = []
     monkeypatch.setattr("stitch_qwen.models.use_fused_kernels", lambda model: seen.append(model) or {})

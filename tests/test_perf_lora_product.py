@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from stitch.model import precision
+from stitch.kernels import precision
 
 
 def test_lora_product_gradients_match_finite_differences_in_float64():

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from stitch.host.host import PluginError, RegistryLookupError, load_plugins
 from stitch.plugins import hookspecs
 from stitch.plugins.hookspecs import HOOKS as HOOK_TABLE
 from stitch.plugins.hookspecs import hookimpl
-from stitch.plugins.host import PluginError, RegistryLookupError, load_plugins
 from stitch.plugins.specs import (
     EncoderSpec,
     ModelSource,
@@ -182,7 +182,7 @@ def test_missing_name_declared_but_not_registered_by_a_loaded_plugin_is_called_i
 
 
 def test_missing_name_of_an_uninstalled_checkout_plugin_says_pip_install_from_its_pyproject(site, monkeypatch):
-    from stitch.plugins import host as host_module
+    from stitch.host import host as host_module
 
     plugin_dir = site / "plugins" / "stitch-fake-models"
     plugin_dir.mkdir(parents=True)
@@ -306,7 +306,7 @@ def test_cli_with_only_qwen_enabled_lists_only_qwen_and_clip_lookup_names_the_pl
         capture_output=True, text=True, check=True, env=env,
     ).stdout
     assert [p["name"] for p in json.loads(out)["plugins"]] == ["stitch-qwen"]
-    code = "from stitch.plugins.host import get_host; get_host().get('encoders', 'clip-vit-base-patch32')"
+    code = "from stitch.host.host import get_host; get_host().get('encoders', 'clip-vit-base-patch32')"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert res.returncode != 0 and "'stitch-clip'" in res.stderr and "STITCH_LOAD_PLUGINS='stitch-qwen'" in res.stderr
 

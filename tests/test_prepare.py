@@ -72,7 +72,7 @@ def clip(host_module):
 
 @pytest.fixture(scope="module")
 def host_module():
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     return load_plugins()
 
@@ -168,7 +168,7 @@ def test_interrupted_prepare_resumes_without_reencoding_finished_shards(tmp_path
 KILL_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, torch
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
     from stitch.data.prepare import prepare
     from stitch.config.recipe import load_recipe
 

@@ -56,7 +56,7 @@ def photo_bytes(width: int, height: int, fmt: str, seed: int = 0) -> bytes:
 
 @pytest.fixture(scope="module")
 def host_module():
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     return load_plugins()
 

@@ -23,7 +23,7 @@ from test_prepare import ENCODER, write_recipe  # noqa: E402
 
 @pytest.fixture(scope="module")
 def host_module():
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     return load_plugins()
 

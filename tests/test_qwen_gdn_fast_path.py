@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stitch.model.varlen import reference_conv, segments, varlen_kernels_ready
+from stitch.kernels.varlen import reference_conv, segments, varlen_kernels_ready
 from stitch_qwen import kernels
 
 CALLS: list[str] = []
@@ -142,7 +142,7 @@ def test_with_lora_on_its_projections_the_fla_layer_groups_them_and_keeps_loss_a
     projections run as one SharedInputLoRA node, with transformers' loss and every adapter's gradient."""
     from peft import LoraConfig, get_peft_model
 
-    from stitch.model import precision
+    from stitch.kernels import precision
 
     model = tiny_hybrid()
     model.requires_grad_(False)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from stitch.data.packing import Sample, collate_packs
+from stitch.host.host import get_host, load_plugins
+from stitch.kernels.varlen import varlen_kernels_ready
 from stitch.model.loading import load_model, packs_loaded
-from stitch.model.varlen import varlen_kernels_ready
-from stitch.plugins.host import load_plugins
 from stitch_qwen.kernels import _conv, _rule, patch_gated_deltanet, use_varlen
 
 SAMPLES = [[5, 9, 14, 22, 31, 8], [40, 41, 7, 66, 80, 12, 3, 3, 19, 27, 11], [8, 2, 60, 61], [17, 4, 4, 90, 5]]
@@ -20,8 +20,8 @@ SAMPLES = [[5, 9, 14, 22, 31, 8], [40, 41, 7, 66, 80, 12, 3, 3, 19, 27, 11], [8,
 
 def packed_vs_alone(name: str, device: str, dtype: torch.dtype):
     spec = load_plugins().get("models", name)
-    stock = load_model(spec, dtype=dtype).to(device).eval()
-    packed_model = load_model(spec, dtype=dtype).to(device).eval()
+    stock = load_model(spec, dtype=dtype, registry=get_host()).to(device).eval()
+    packed_model = load_model(spec, dtype=dtype, registry=get_host()).to(device).eval()
     use_varlen(packed_model)
     samples = [Sample(f"r{i}", ids, ids, torch.empty(0)) for i, ids in enumerate(SAMPLES)]
     batch = collate_packs([samples[:2], samples[2:]], pad_id=0, packed=True).to(device)
@@ -104,10 +104,10 @@ def test_training_packs_a_hybrid_only_when_its_loader_installed_the_sample_start
 
     spec = load_plugins().get("models", "qwen3.5-tiny")
     monkeypatch.setattr(qwen_models, "varlen_kernels_ready", lambda: False)  # no GPU / fla: nothing installed
-    plain = load_model(spec)
+    plain = load_model(spec, registry=get_host())
     assert not packs_loaded(spec, torch.nn.ModuleDict({"lm": plain}))  # as inside StitchedModel / peft
     monkeypatch.setattr(qwen_models, "varlen_kernels_ready", lambda: True)
-    fitted = load_model(spec)
+    fitted = load_model(spec, registry=get_host())
     assert packs_loaded(spec, torch.nn.ModuleDict({"lm": fitted}))
     assert not packs_loaded(spec, plain)  # the outcome belongs to the model it was reported for
 

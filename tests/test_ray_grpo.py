@@ -13,6 +13,7 @@ import torch
 from stitch_testing import write_recipe
 
 from stitch.config.recipe import load_recipe
+from stitch.host.host import get_host
 from stitch.rollout.ray_rollout import (
     broadcast_state_dict,
     manifest_of,
@@ -85,7 +86,7 @@ def test_ray_worker_greedy_tokens_equal_the_colocated_engine_on_merged_weights_b
     from stitch.rollout.vllm_engine import RefitError, merged_state_dict
     from stitch.stages.session import StitchSession
 
-    session = StitchSession.open(load_recipe(write_recipe(sft_run.parent / "ray.yaml")), sft_run)
+    session = StitchSession.open(load_recipe(write_recipe(sft_run.parent / "ray.yaml")), sft_run, registry=get_host())
     model = session.binding.build_model(adapter_from=_donor(sft_run) / "adapter",
                                 projector_from=_donor(sft_run) / "projector")
     sentinels = list(session.sentinel_ids.as_dict().values())
@@ -96,7 +97,7 @@ def test_ray_worker_greedy_tokens_equal_the_colocated_engine_on_merged_weights_b
                            [r.id])[0] for r in rows]
 
     def colocated():  # the embedded engine in this process, on a plain LM holding the merged weights
-        plain = load_model(session.model_spec)
+        plain = load_model(session.model_spec, registry=get_host())
         plain.load_state_dict(merged_state_dict(model.lm))
         engine = EmbeddedEngine(plain, pad_id=session.pad_id, eos_id=eos, suppress_ids=sentinels)
         return engine.generate(prompts, 1, 8, greedy=True)
@@ -105,7 +106,7 @@ def test_ray_worker_greedy_tokens_equal_the_colocated_engine_on_merged_weights_b
         return [c.token_ids for c in completions]
 
     engine = RayRolloutEngine(model.lm, engine="embedded", model=session.model_spec.name, pad_id=session.pad_id,
-                              eos_id=eos, suppress_ids=sentinels, replicas=1, bucket_bytes=256 << 10)
+                              eos_id=eos, suppress_ids=sentinels, replicas=1, bucket_bytes=256 << 10, registry=get_host())
     try:
         assert engine.backend == "gloo" and len(engine.workers) == 1
         assert len(plan_buckets(manifest_of(merged_state_dict(model.lm)), 256 << 10)) > 1  # several broadcasts
@@ -143,7 +144,7 @@ def test_grpo_with_ray_placed_rollouts_keeps_parity_and_writes_checkpoints_and_m
         shutil.copytree(sft_run, run)
         recipe = load_recipe(write_recipe(tmp_path / f"{placement}.yaml", stages__grpo__steps=3,
                                           stages__grpo__placement=placement, parallel={"rollout_replicas": 1}))
-        runs[placement] = (run, run_stage(recipe, "grpo", run, progress=False))
+        runs[placement] = (run, run_stage(recipe, "grpo", run, progress=False, registry=get_host()))
     (run, summary), (local_run, local) = runs["ray"], runs["colocated"]
     assert summary["placement"] == "ray" and local["placement"] == "colocated"
     assert summary["steps"] == local["steps"] == 3
@@ -172,5 +173,5 @@ def test_grpo_with_ray_placed_rollouts_closes_its_workers_when_a_step_fails(sft_
 
     monkeypatch.setattr("stitch.stages.grpo.group_advantages", boom)
     with pytest.raises(RuntimeError, match="exploded"):
-        run_stage(recipe, "grpo", run, progress=False)
+        run_stage(recipe, "grpo", run, progress=False, registry=get_host())
     assert _placement_groups_left() == []

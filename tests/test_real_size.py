@@ -17,6 +17,7 @@ from safetensors import safe_open
 from stitch_testing import cli, copy_prepared, write_recipe
 
 from stitch.config.recipe import load_recipe
+from stitch.host.host import get_host
 from stitch.model.loading import SnapshotError, load_model, with_local_snapshot
 from stitch.model.snapshots import shrink_layer_pattern, write_model_snapshot
 from stitch.stages.loop import run_stage
@@ -52,7 +53,7 @@ def narrow(tmp_path_factory, host):
 
 @pytest.fixture(scope="module")
 def host():
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     return load_plugins()
 
@@ -92,7 +93,7 @@ def test_snapshot_writes_shards_an_index_and_the_published_key_names(narrow):
 def test_stitch_loaders_read_every_written_tensor_of_each_snapshot(narrow, host):
     for name, directory in narrow.items():
         spec = with_local_snapshot(host.get("models", TINY_OF[name]), directory)
-        lm = load_model(spec)  # refuses missing or unexpected keys
+        lm = load_model(spec, registry=get_host())  # refuses missing or unexpected keys
         state = lm.state_dict()
         embed = "model.embed_tokens.weight" if name.startswith("qwen") else "model.embeddings.weight"
         written = "model.language_model.embed_tokens.weight" if name.startswith("qwen") else "backbone.embeddings.weight"
@@ -123,6 +124,7 @@ import json, sys
 from pathlib import Path
 import torch
 from stitch_nemotron.published import write_published_snapshot
+from stitch.host.host import get_host
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -179,8 +181,8 @@ def test_recipe_model_snapshot_trains_from_a_snapshot_written_by_stitch_snapshot
                          overrides=["stages.alignment.steps=1", "stages.sft.steps=1", "stages.sft.save_every=1",
                                     "stages.alignment.save_every=1"])
     assert recipe.model == "qwen3.5-tiny" and recipe.model_snapshot == snap.resolve()
-    run_stage(recipe, "alignment", tmp_path / "run", progress=False)
-    run_stage(recipe, "sft", tmp_path / "run", progress=False)
+    run_stage(recipe, "alignment", tmp_path / "run", progress=False, registry=get_host())
+    run_stage(recipe, "sft", tmp_path / "run", progress=False, registry=get_host())
     metrics = [json.loads(line) for line in (tmp_path / "run" / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in m and m["loss"] > 0 for m in metrics)
     manifest = json.loads(next((tmp_path / "run" / "sft").rglob("projector/manifest.json")).read_text())
@@ -196,7 +198,7 @@ def test_recipe_model_snapshot_without_config_json_is_refused_naming_it(tmp_path
     from stitch.model.binding import ModelBinding
 
     with pytest.raises(SnapshotError, match="has no config.json"):
-        ModelBinding.for_recipe(recipe)
+        ModelBinding.for_recipe(recipe, registry=get_host())
 
 
 def test_recipe_model_snapshot_of_another_width_is_refused_before_any_weight_loads(tmp_path, narrow, host,
@@ -211,7 +213,7 @@ def test_recipe_model_snapshot_of_another_width_is_refused_before_any_weight_loa
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml",
                                       model={"name": "qwen3.5-4b", "snapshot": str(narrow["qwen3.5-4b"])}))
     with pytest.raises(SnapshotError, match=r"hidden_size=128 .*declares hidden_size=2560"):
-        ModelBinding.for_recipe(recipe)
+        ModelBinding.for_recipe(recipe, registry=get_host())
     spec = host.get("models", "nemotron-3-nano-4b")
     with pytest.raises(SnapshotError, match="3136"):
         with_local_snapshot(spec, narrow["nemotron-3-nano-4b"])

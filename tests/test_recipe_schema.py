@@ -16,7 +16,7 @@ from stitch_testing import write_recipe
 from stitch.config.describe import reference_markdown, schema_fields
 from stitch.config.options import SFTOptions
 from stitch.config.recipe import RecipeError, RecipeFile, TaskConfig, load_recipe, parse_recipe
-from stitch.plugins.host import load_plugins
+from stitch.host.host import get_host, load_plugins
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 
@@ -250,7 +250,7 @@ def test_a_recipe_without_a_task_gets_the_documented_default(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(load_plugins().names("recipes")))
 def test_every_shipped_recipe_loads_and_its_resolved_form_round_trips(name):
-    recipe = load_recipe(name)
+    recipe = load_recipe(name, get_host())
     assert recipe.stages and all(recipe.stage_options(stage) is recipe.stages[stage] for stage in recipe.stages)
     again = parse_recipe(yaml.safe_load(recipe.resolved_yaml()), path=recipe.path)
     assert again.digest == recipe.digest

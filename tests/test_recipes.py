@@ -6,8 +6,8 @@ import pytest
 from stitch_testing import write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
-from stitch.config.validate import validate_recipe
-from stitch.plugins.host import load_plugins
+from stitch.host.host import get_host, load_plugins
+from stitch.host.validate import validate_recipe
 
 RUN_BY_TESTS = {
     "demo": "tests/test_demo_chain.py runs `stitch run demo` end to end",
@@ -35,8 +35,8 @@ def test_every_shipped_recipe_is_run_by_a_test_or_listed_with_a_reason():
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_recipe_loads_resolves_and_validates(name):
-    recipe = load_recipe(name)
-    resolved = validate_recipe(recipe)
+    recipe = load_recipe(name, get_host())
+    resolved = validate_recipe(recipe, get_host())
     assert "sft" in resolved and "alignment" in resolved
     assert resolved == recipe.stages
     if "grpo" in resolved and resolved["grpo"].lora:
@@ -51,7 +51,7 @@ def test_grpo_lora_that_does_not_restate_sft_is_refused_at_load(tmp_path):
 def test_token_budget_below_one_media_block_is_refused_with_the_arithmetic(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__sft__token_budget=40))
     with pytest.raises(RecipeError, match=r"at least 51 \(49 soft tokens \+ 2 sentinels\), got 40"):
-        validate_recipe(recipe)
+        validate_recipe(recipe, get_host())
 
 
 def test_unknown_stage_option_is_refused_at_load_naming_the_field(tmp_path):

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from stitch_testing import cli, copy_prepared, kill_after_checkpoint, write_recipe
 
 from stitch.config.recipe import load_recipe
+from stitch.host.host import get_host
 from stitch.stages.loop import run_stage
 
 # hot sampling over groups of 4: some group has mixed rewards, so GRPO's first update is not zero
@@ -75,7 +76,7 @@ def test_grad_clip_bounds_the_applied_gradient_and_null_turns_clipping_off(sft_r
         recipe = load_recipe(write_recipe(tmp_path / f"r{clip}.yaml", **{f"stages__{stage}__steps": 1,
                                                                            f"stages__{stage}__grad_clip": clip},
                                           **extra))
-        run_stage(recipe, stage, run, progress=False)
+        run_stage(recipe, stage, run, progress=False, registry=get_host())
         logged[clip] = _records(run, stage)[0]["grad_norm"]
         applied[clip] = _first_moment_norm(_step_dir(run, stage, 1))
     assert logged[None] == logged[1e-4] > 1e-3  # the same first gradient, logged before clipping
@@ -90,7 +91,7 @@ def test_cosine_schedule_decays_the_logged_and_applied_learning_rate(sft_run, tm
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", **{f"stages__{stage}__steps": 3,
                                                               f"stages__{stage}__schedule": "cosine",
                                                               f"stages__{stage}__lr_adapter": 1e-3}))
-    run_stage(recipe, stage, run, progress=False)
+    run_stage(recipe, stage, run, progress=False, registry=get_host())
     lrs = [r["lr_adapter"] for r in _records(run, stage)]
     assert lrs == pytest.approx([1e-3, 1e-3 * 0.75, 1e-3 * 0.25])  # 0.5 (1 + cos(pi t / 3)), t = 0, 1, 2
     optimizer = torch.load(_step_dir(run, stage, 3) / "optimizer.pt", weights_only=True)
@@ -113,7 +114,7 @@ def test_checkpoint_records_the_recipe_digest_and_warm_start_and_the_run_keeps_t
     run = tmp_path / "run"
     shutil.copytree(sft_run, run)
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", **{f"stages__{stage}__steps": 1}))
-    summary = run_stage(_Resolved(recipe, "resolved: yes\n"), stage, run, progress=False)
+    summary = run_stage(_Resolved(recipe, "resolved: yes\n"), stage, run, progress=False, registry=get_host())
     state = json.loads((_step_dir(run, stage, 1) / "trainer_state.json").read_text())
     assert recipe.digest and state["recipe_digest"] == recipe.digest
     assert state["warm_start"] == summary["donor"] == str((run / "sft" / "checkpoints" / "step_4").resolve())

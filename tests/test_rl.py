@@ -13,9 +13,9 @@ import torch
 from stitch_testing import write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
+from stitch.host.host import get_host, load_plugins
 from stitch.model.provenance import ProvenanceError
 from stitch.model.scatter import PlaceholderCountError
-from stitch.plugins.host import load_plugins
 from stitch.stages.dpo import branch_sample
 from stitch.stages.grpo import group_advantages
 from stitch.stages.loop import checked_options, run_stage
@@ -85,9 +85,9 @@ def test_provenance_gate_refuses_each_mismatched_field_before_any_model_load(sft
     monkeypatch.setattr("stitch.model.binding.load_model", no_load)
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     with pytest.raises(ProvenanceError, match=f"field '{field}'"):
-        run_stage(recipe, "grpo", run, progress=False)
+        run_stage(recipe, "grpo", run, progress=False, registry=get_host())
     with pytest.raises(ProvenanceError, match=f"field '{field}'"):
-        run_stage(recipe, "dpo", run, progress=False)
+        run_stage(recipe, "dpo", run, progress=False, registry=get_host())
 
 
 def test_grpo_trainable_projector_logs_drift_before_every_update_and_trains_only_adapter_and_projector(
@@ -98,7 +98,7 @@ def test_grpo_trainable_projector_logs_drift_before_every_update_and_trains_only
                                       stages__grpo__steps=3, stages__grpo__lr_projector=1e-2,
                                       stages__grpo__prompts_per_step=4, stages__grpo__group_size=4,
                                       stages__grpo__temperature=1.5))
-    summary = run_stage(recipe, "grpo", run, progress=False)
+    summary = run_stage(recipe, "grpo", run, progress=False, registry=get_host())
     drift = [json.loads(line)["projector_drift"] for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert drift[0] == 0.0 and drift[-1] > 0.0  # logged before each update: the first sees the warm start
     assert summary["trainable_parameters"]["projector"] > 0 and summary["trainable_parameters"]["other"] == 0
@@ -107,7 +107,7 @@ def test_grpo_trainable_projector_logs_drift_before_every_update_and_trains_only
 
 def test_grpo_default_keeps_the_projector_frozen(sft_run, tmp_path):
     run = _clone(sft_run, tmp_path)
-    summary = run_stage(load_recipe(write_recipe(tmp_path / "r.yaml")), "grpo", run, progress=False)
+    summary = run_stage(load_recipe(write_recipe(tmp_path / "r.yaml")), "grpo", run, progress=False, registry=get_host())
     assert summary["trainable_parameters"] == {"projector": 0, "adapter": summary["trainable_parameters"]["adapter"],
                                                "other": 0}
     from safetensors.torch import load_file
@@ -127,7 +127,7 @@ def test_grpo_micro_batches_accumulate_to_the_same_update_as_one_batch(sft_run, 
                                           stages__grpo__prompts_per_step=4, stages__grpo__group_size=4,
                                           stages__grpo__temperature=1.5, stages__grpo__micro_batch_size=size,
                                           stages__grpo__lr_adapter=1e-2))
-        summary = run_stage(recipe, "grpo", run, progress=False)
+        summary = run_stage(recipe, "grpo", run, progress=False, registry=get_host())
         metrics = json.loads((run / "grpo" / "metrics.jsonl").read_text().splitlines()[0])
         # AdamW's first moment after one step is 0.1 x the (clipped) gradient: compare that, not the weights (a
         # first Adam step moves every weight by ~lr x sign(grad), so 1e-9 gradient noise can flip a weight by 2 lr)
@@ -155,7 +155,7 @@ def test_dpo_loss_falls_and_margin_grows_on_the_default_pairs(sft_run, tmp_path)
     # on the base an AMD EPYC build gave (margin +0.54); at 32 it fell by 0.066 there
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__dpo__steps=32, stages__dpo__pairs_per_step=4,
                                       stages__dpo__lr_adapter=2e-3))
-    summary = run_stage(recipe, "dpo", run, progress=False)
+    summary = run_stage(recipe, "dpo", run, progress=False, registry=get_host())
     assert summary["probe_loss_start"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at the start
     assert summary["probe_margin_start"] == pytest.approx(0.0, abs=1e-4)
     assert summary["probe_loss_end"] < summary["probe_loss_start"] - 0.01
@@ -166,7 +166,7 @@ def test_dpo_branch_with_a_wrong_placeholder_count_is_refused_naming_the_row(sft
     from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(sft_run.parent / "gate.yaml"))
-    session = StitchSession.open(recipe, sft_run)
+    session = StitchSession.open(recipe, sft_run, registry=get_host())
     row = next(iter(session.data.rows("train")))
     feats = session.data.features(row)
     branch_sample(session, row, "The answer is 2.", feats)
@@ -177,19 +177,19 @@ def test_dpo_branch_with_a_wrong_placeholder_count_is_refused_naming_the_row(sft
 def test_safetensors_merge_matches_peft_merge(sft_run):
     from peft import PeftModel
 
+    from stitch.host.host import get_host
     from stitch.model.loading import load_model
     from stitch.model.merge import merge_adapter_into_model
-    from stitch.plugins.host import get_host
 
     spec = get_host().get("models", "qwen3.5-demo")
     adapter = _donor(sft_run) / "adapter"
     ids = torch.tensor([[1, 5, 9, 20, 33, 7]])
-    plain = load_model(spec)
+    plain = load_model(spec, registry=get_host())
     assert merge_adapter_into_model(plain, adapter) > 0
-    peft_merged = PeftModel.from_pretrained(load_model(spec), str(adapter)).merge_and_unload()
+    peft_merged = PeftModel.from_pretrained(load_model(spec, registry=get_host()), str(adapter)).merge_and_unload()
     with torch.no_grad():
         assert torch.allclose(plain(ids).logits, peft_merged(ids).logits, atol=1e-5)
-        assert not torch.allclose(plain(ids).logits, load_model(spec)(ids).logits, atol=1e-5)
+        assert not torch.allclose(plain(ids).logits, load_model(spec, registry=get_host())(ids).logits, atol=1e-5)
 
 
 def test_infer_prompt_is_byte_identical_to_the_rollout_prompt(sft_run):
@@ -198,8 +198,8 @@ def test_infer_prompt_is_byte_identical_to_the_rollout_prompt(sft_run):
     from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(sft_run.parent / "gate.yaml"))
-    session = StitchSession.open(recipe, sft_run)
-    server = Stitched(sft_run / "sft" / "checkpoints")
+    session = StitchSession.open(recipe, sft_run, registry=get_host())
+    server = Stitched(sft_run / "sft" / "checkpoints", registry=get_host())
     assert server.tokenizer(server.prompt_text(COUNT_QUESTION), add_special_tokens=False)["input_ids"] == \
         session.prompt_ids(COUNT_QUESTION)
     from stitch.data.collator import render_prompt
@@ -229,7 +229,7 @@ def test_engines_never_sample_media_sentinels_and_score_the_masked_distribution(
     from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(sft_run.parent / "gate.yaml"))
-    session = StitchSession.open(recipe, sft_run)
+    session = StitchSession.open(recipe, sft_run, registry=get_host())
     model = session.binding.build_model(adapter_from=_donor(sft_run) / "adapter",
                                         projector_from=_donor(sft_run) / "projector")
     placeholder = session.sentinel_ids.placeholder
@@ -299,8 +299,8 @@ def test_grpo_rewards_with_the_recipe_task_on_the_rows_it_accepts(sft_run, tmp_p
         return 0.25
 
     task = TaskSpec(name="quarter", reward=reward, accepts=lambda row: row.id == first)
-    monkeypatch.setattr("stitch.tasks.resolve_task", lambda recipe, host=None: task)
+    monkeypatch.setattr("stitch.stages.grpo.resolve_task", lambda recipe, registry: task)
     summary = run_stage(load_recipe(write_recipe(tmp_path / "r.yaml", stages__grpo__steps=1)), "grpo", run,
-                        progress=False)
+                        progress=False, registry=get_host())
     assert summary["task"] == "quarter" and summary["reward_end"] == 0.25
     assert seen and set(seen) == {first}  # every prompt drawn from the accepted rows, every completion rewarded

@@ -7,8 +7,8 @@ import pytest
 
 from stitch.data.collator import prompt_token_ids, tokenize_example
 from stitch.data.sentinels import resolve_sentinels
+from stitch.host.host import load_plugins
 from stitch.model.loading import load_tokenizer
-from stitch.plugins.host import load_plugins
 
 FAMILIES = {"qwen3.5": "qwen3.5-demo", "nemotron-h": "nemotron-nano-tiny"}
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from stitch.host.host import get_host
+
 pytestmark = pytest.mark.slow
 
 
@@ -35,8 +37,8 @@ def test_exported_model_loads_in_plain_transformers_and_reproduces_stitchs_greed
     from stitch.serve.inference import Stitched
 
     out = tmp_path / "export"
-    manifest = export_checkpoint(sft_run / "sft" / "checkpoints", out)
-    stitched = Stitched(sft_run / "sft" / "checkpoints")
+    manifest = export_checkpoint(sft_run / "sft" / "checkpoints", out, registry=get_host())
+    stitched = Stitched(sft_run / "sft" / "checkpoints", registry=get_host())
     rows = _eval_rows(sft_run)
     expected = [stitched.answer_features(feats, row.question, max_new_tokens=12) for row, feats in rows]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from stitch.model import precision
+from stitch.kernels import precision
 
 WIDTHS = {"qkv": 48, "z": 24, "b": 4, "a": 4}  # a Gated DeltaNet's four projections in miniature: two wide, two narrow
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from stitch_testing import copy_prepared, write_recipe
 
 from stitch.config.recipe import load_recipe
+from stitch.host.host import get_host
 from stitch.model.artifacts import ArtifactError
 from stitch.model.loading import SnapshotError
 from stitch.stages.loop import run_stage
@@ -26,7 +27,7 @@ EMBED = "model.embed_tokens.weight"  # no LoRA target: after a merge it is still
 
 
 def _preset_dir(host) -> Path:
-    from stitch.model.snapshots import ensure_snapshot
+    from stitch.plugins.snapshot_cache import ensure_snapshot
 
     spec = host.get("models", MODEL)
     return ensure_snapshot(spec.source.builder_key, spec.source.builder)
@@ -36,7 +37,7 @@ def _preset_dir(host) -> Path:
 def snap_run(prepared, tmp_path_factory):
     """The preset's snapshot copied with every weight perturbed (same config and tokenizer, other weights), and a
     1-step alignment + 1-step SFT run trained from it through ``model: {name, snapshot}``."""
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     root = tmp_path_factory.mktemp("snap-run")
     preset = _preset_dir(load_plugins())
@@ -50,8 +51,8 @@ def snap_run(prepared, tmp_path_factory):
     copy_prepared(prepared / "run", run)
     recipe = load_recipe(write_recipe(root / "snap.yaml", model={"name": MODEL, "snapshot": str(snap)}),
                          overrides=["stages.alignment.steps=1", "stages.sft.steps=1"])
-    run_stage(recipe, "alignment", run, progress=False)
-    run_stage(recipe, "sft", run, progress=False)
+    run_stage(recipe, "alignment", run, progress=False, registry=get_host())
+    run_stage(recipe, "sft", run, progress=False, registry=get_host())
     return {"run": run, "snap": snap.resolve(), "preset": preset, "recipe": recipe}
 
 
@@ -71,7 +72,7 @@ def test_the_artifact_records_the_snapshot_path_and_fingerprint_it_was_trained_f
 def test_a_served_checkpoint_loads_the_base_from_the_recorded_snapshot_not_the_preset(snap_run):
     from stitch.serve.inference import Stitched
 
-    served = Stitched(snap_run["run"] / "sft" / "checkpoints", device="cpu")
+    served = Stitched(snap_run["run"] / "sft" / "checkpoints", device="cpu", registry=get_host())
     assert served.binding.snapshot == snap_run["snap"]
     live = served.model.lm.get_input_embeddings().weight.detach()
     assert torch.equal(live, _embeds(snap_run["snap"]))
@@ -81,7 +82,7 @@ def test_a_served_checkpoint_loads_the_base_from_the_recorded_snapshot_not_the_p
 def test_export_merges_the_adapter_into_the_recorded_snapshot_not_the_preset(snap_run, tmp_path):
     from stitch.serve.export import export_checkpoint
 
-    manifest = export_checkpoint(snap_run["run"] / "sft" / "checkpoints", tmp_path / "export")
+    manifest = export_checkpoint(snap_run["run"] / "sft" / "checkpoints", tmp_path / "export", registry=get_host())
     exported = load_file(tmp_path / "export" / "model" / "model.safetensors")[EMBED]
     assert torch.equal(exported, _embeds(snap_run["snap"]))
     assert not torch.equal(exported, _embeds(snap_run["preset"]))
@@ -101,7 +102,7 @@ def test_a_moved_snapshot_is_refused_at_serve_and_export_naming_its_path_before_
     moved = snap_run["snap"].with_name("moved-away")
     snap_run["snap"].rename(moved)
     try:
-        for consume in (lambda c: Stitched(c, device="cpu"), lambda c: export_checkpoint(c, tmp_path / "export")):
+        for consume in (lambda c: Stitched(c, device="cpu", registry=get_host()), lambda c: export_checkpoint(c, tmp_path / "export", registry=get_host())):
             with pytest.raises(SnapshotError) as refused:
                 consume(snap_run["run"] / "sft" / "checkpoints")
             assert str(snap_run["snap"]) in str(refused.value) and "not there any more" in str(refused.value)
@@ -119,7 +120,7 @@ def test_a_snapshot_whose_weights_were_replaced_is_refused_by_its_fingerprint(sn
     shutil.copy(snap_run["preset"] / "model.safetensors", weights)  # same names and shapes, the preset's values
     try:
         with pytest.raises(ArtifactError, match="field 'base_model_fingerprint' expected"):
-            Stitched(snap_run["run"] / "sft" / "checkpoints", device="cpu")
+            Stitched(snap_run["run"] / "sft" / "checkpoints", device="cpu", registry=get_host())
     finally:
         kept.replace(weights)
 
@@ -133,7 +134,7 @@ def test_the_warm_start_gate_refuses_a_donor_trained_on_another_snapshot_of_the_
     recipe = snap_run["recipe"]
     donor = latest_step_dir(snap_run["run"] / "sft" / "checkpoints")
     lora = stage_options(recipe, "sft").lora
-    check_warm_start(donor, ModelBinding.for_recipe(recipe, host=host).warm_start_expectations(lora))  # same base
+    check_warm_start(donor, ModelBinding.for_recipe(recipe, registry=host).warm_start_expectations(lora))  # same base
     preset = ModelBinding.resolve(host, MODEL, recipe.encoder, recipe.projector)  # same name, the preset's weights
     with pytest.raises(ProvenanceError, match="field 'base_model_fingerprint'"):
         check_warm_start(donor, preset.warm_start_expectations(lora))
@@ -149,9 +150,9 @@ def _eos(host) -> int:
 
 
 def _worker(rank: int, snapshot: Path | None, host):
-    from stitch.rollout.ray_rollout import RolloutWorker
+    from stitch.rollout.ray_rollout import RolloutWorker, worker_specs
 
-    return RolloutWorker(rank, engine="embedded", model=MODEL, dtype="float32", pad_id=0, eos_id=_eos(host),
+    return RolloutWorker(rank, engine="embedded", model=MODEL, specs=worker_specs(host, "embedded", MODEL), dtype="float32", pad_id=0, eos_id=_eos(host),
                          suppress_ids=[], engine_config=None, vocab_size=None, env={}, seed=0,
                          snapshot=None if snapshot is None else str(snapshot))
 
@@ -216,7 +217,7 @@ def test_the_embedded_engine_samples_from_the_seed_alone_and_leaves_the_trainers
     from stitch.model.loading import load_model
     from stitch.rollout.engines import EmbeddedEngine
 
-    lm = load_model(host.get("models", MODEL)).eval()
+    lm = load_model(host.get("models", MODEL), registry=get_host()).eval()
     engine = EmbeddedEngine(lm, pad_id=0, eos_id=_eos(host))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randn(5, lm.config.hidden_size, generator=gen) for _ in range(2)]

@@ -15,8 +15,10 @@ import yaml
 from stitch_testing import BASE, write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
-from stitch.config.validate import validate_recipe
+from stitch.host.host import get_host
+from stitch.host.validate import validate_recipe
 from stitch.plugins.specs import TaskRow
+from stitch.stages.loop import run_stage
 from stitch.tasks import check_task, majority_baseline, resolve_task
 from stitch.tasks.generic import contains_answer, exact_match, normalise_answer
 
@@ -87,8 +89,8 @@ def test_color_naming_rejects_the_answer_with_another_palette_colour_drawn_from_
 
 
 def test_shipped_recipes_name_their_demo_tasks(host):
-    assert resolve_task(load_recipe("demo"), host).name == "counting"
-    assert resolve_task(load_recipe("demo-colors"), host).name == "color-naming"
+    assert resolve_task(load_recipe("demo", host), host).name == "counting"
+    assert resolve_task(load_recipe("demo-colors", host), host).name == "color-naming"
 
 
 # -- user rewards ----------------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ def test_bad_reward_is_refused_at_load_naming_the_field_the_module_and_the_funct
 
     monkeypatch.setattr("stitch.model.loading.load_model", no_load)
     with pytest.raises(RecipeError, match=r"field 'task\.reward'") as caught:  # at load (form) or validation
-        validate_recipe(load_recipe(write_recipe(tmp_path / "r.yaml", task={"reward": target})))
+        validate_recipe(load_recipe(write_recipe(tmp_path / "r.yaml", task={"reward": target})), get_host())
     assert caught.match(message)
 
 
@@ -163,19 +165,19 @@ def test_bad_grade_is_refused_naming_task_grade(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", task={"reward": "stitch.tasks.generic:exact_match",
                                                                  "grade": "stitch.tasks.generic:nope"}))
     with pytest.raises(RecipeError, match=r"field 'task\.grade'.*module 'stitch\.tasks\.generic' has no function 'nope'"):
-        validate_recipe(recipe)
+        validate_recipe(recipe, get_host())
 
 
 def test_unknown_task_name_is_refused_listing_the_registered_tasks(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", task="no-such-task"))
     with pytest.raises(RecipeError, match=r"field 'task'.*no-such-task.*exact-match"):
-        validate_recipe(recipe)
+        validate_recipe(recipe, get_host())
 
 
 def test_dpo_without_a_pair_source_is_refused_at_load_naming_data_columns_rejected(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", task="exact-match"))
     with pytest.raises(RecipeError, match=r"stage 'dpo' needs preference pairs.*'data\.columns\.rejected'"):
-        validate_recipe(recipe)
+        validate_recipe(recipe, get_host())
 
 
 def test_task_with_both_name_and_reward_is_refused(tmp_path):
@@ -187,8 +189,6 @@ def test_task_with_both_name_and_reward_is_refused(tmp_path):
 
 
 def test_grpo_logs_the_reward_of_a_user_function_from_a_file_outside_the_repo(sft_run, tmp_path):
-    from stitch.stages.grpo import train_grpo
-
     calls = tmp_path / "calls.jsonl"
     _reward_file(tmp_path / "user", f"""
         import json
@@ -209,8 +209,8 @@ def test_grpo_logs_the_reward_of_a_user_function_from_a_file_outside_the_repo(sf
         shutil.copytree(sft_run, run)
         recipe = load_recipe(write_recipe(tmp_path / fn / "r.yaml", task={"reward": f"../user/rewards.py:{fn}"},
                                           stages=no_dpo(), stages__grpo__steps=1))
-        validate_recipe(recipe)
-        train_grpo(recipe, run, progress=False)
+        validate_recipe(recipe, get_host())
+        run_stage(recipe, "grpo", run, registry=get_host(), progress=False)
         logged[fn] = [json.loads(line)["reward"] for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
     seen = [json.loads(line) for line in calls.read_text().splitlines()]
     assert not any("blue" in s["completion"] for s in seen)
@@ -237,7 +237,7 @@ def test_evaluation_grades_with_the_task_grader_on_the_rows_the_task_accepts(sft
     """)
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages=no_dpo(),
                                       task={"reward": "user/rewards.py:reward", "grade": "user/rewards.py:grade"}))
-    session = StitchSession.open(recipe, sft_run)
+    session = StitchSession.open(recipe, sft_run, registry=get_host())
     step = Path(json.loads((sft_run / "sft" / "summary.json").read_text())["checkpoint"])
     model = session.binding.build_model(adapter_from=step / "adapter", projector_from=step / "projector")
     assert evaluate_accuracy(session, model, "eval", limit=5) == 0.25
@@ -245,6 +245,6 @@ def test_evaluation_grades_with_the_task_grader_on_the_rows_the_task_accepts(sft
     eval_ids = [r.id for r in session.data.rows("eval")]
     assert [s["row"] for s in seen] == eval_ids[:5]
     # the counting task takes no caption row: the alignment partition has none it can grade
-    counting = StitchSession.open(load_recipe(write_recipe(tmp_path / "c.yaml")), sft_run)
+    counting = StitchSession.open(load_recipe(write_recipe(tmp_path / "c.yaml")), sft_run, registry=get_host())
     with pytest.raises(ValueError, match="no rows that task 'counting' can grade"):
         evaluate_accuracy(counting, model, "alignment", limit=5)

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from stitch import scaffold
 from stitch.cli import app
 from stitch.config.recipe import parse_recipe
-from stitch.plugins.host import load_plugins
+from stitch.host.host import load_plugins
 from stitch.scaffold import ScaffoldError, find_template, render_plugin, template_candidates
 
 MODALITY = "probe_spectrum"  # unusual on purpose: never collides with a real installed plugin
@@ -116,8 +116,8 @@ def test_rendered_readme_recipe_parses_and_prepares_data_stored_as_it_says(insta
     stages, and `prepare` must run the plugin over data stored as the README says, skipping a corrupt row."""
     from datasets import Dataset
 
-    from stitch.config.validate import validate_recipe
     from stitch.data.prepare import prepare
+    from stitch.host.validate import validate_recipe
 
     project, _ = installed
     block = re.search(r"```yaml\n(.*?)```", (project / "README.md").read_text(), re.S)

@@ -15,7 +15,7 @@ import torch
 from test_fast_paths import build, samples
 
 from stitch.data.packing import collate_packs
-from stitch.model import cross_entropy
+from stitch.kernels import cross_entropy
 from stitch.rollout.engines import mask_suppressed
 from stitch.stages import logprobs as logprobs_module
 

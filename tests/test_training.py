@@ -15,6 +15,7 @@ from stitch_testing import cli, copy_prepared, kill_after_checkpoint, write_reci
 from stitch.config.options import LoraOptions
 from stitch.config.recipe import load_recipe
 from stitch.data.packing import PackedStream, collate_packs
+from stitch.host.host import get_host
 from stitch.stages.loop import audit_gradients, run_stage
 
 
@@ -51,7 +52,7 @@ def test_resume_without_a_checkpoint_is_refused(prepared, tmp_path):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
     copy_prepared(prepared / "run", tmp_path / "run")
     with pytest.raises(FileNotFoundError, match="LATEST"):
-        run_stage(recipe, "alignment", tmp_path / "run", resume=True, progress=False)
+        run_stage(recipe, "alignment", tmp_path / "run", resume=True, progress=False, registry=get_host())
 
 
 def _stream(session, budget: int, pack: bool) -> PackedStream:
@@ -63,7 +64,7 @@ def test_packs_fill_at_least_90_percent_of_the_token_budget(prepared, tmp_path):
     from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
-    session = StitchSession.open(recipe, prepared / "run")
+    session = StitchSession.open(recipe, prepared / "run", registry=get_host())
     stream = _stream(session, 512, pack=True)
     packs = [stream.next_pack() for _ in range(40)]
     fill = sum(sum(len(s) for s in p) for p in packs) / (40 * 512)
@@ -79,7 +80,7 @@ def test_packed_batch_loss_equals_unpacked_loss_of_the_same_samples(prepared, tm
     from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
-    session = StitchSession.open(recipe, prepared / "run")
+    session = StitchSession.open(recipe, prepared / "run", registry=get_host())
     model = session.binding.build_model(lora=LoraOptions(r=4, alpha=8))
     torch.manual_seed(1)
     with torch.no_grad():  # a nonzero adapter and projector, so the check covers them
@@ -101,10 +102,10 @@ def test_packed_batch_loss_equals_unpacked_loss_of_the_same_samples(prepared, tm
 def test_a_models_spec_decides_whether_its_lora_layers_may_run_as_cuda_graphs(prepared, tmp_path, model, graphed):
     """ModelSpec.cuda_graphs reaches the built model: Nemotron-H's blocks stay eager (its packed GPU step ran slower
     graphed), Qwen's may be captured."""
-    from stitch.model import graphs
+    from stitch.kernels import graphs
     from stitch.stages.session import StitchSession
 
-    session = StitchSession.open(load_recipe(write_recipe(tmp_path / "r.yaml", model=model)), prepared / "run")
+    session = StitchSession.open(load_recipe(write_recipe(tmp_path / "r.yaml", model=model)), prepared / "run", registry=get_host())
     built = session.binding.build_model(lora=LoraOptions(r=4))
     loras = [m for m in built.modules() if hasattr(m, "lora_A")]  # and every other block the model has
     assert loras and all((m in graphs._EAGER) is not graphed for m in built.modules())
@@ -114,7 +115,7 @@ def test_gradient_audit_refuses_a_trainable_lm_weight(prepared, tmp_path):
     from stitch.stages.session import StitchSession
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml"))
-    session = StitchSession.open(recipe, prepared / "run")
+    session = StitchSession.open(recipe, prepared / "run", registry=get_host())
     model = session.binding.build_model()
     audit_gradients(model, ("projector",))
     model.lm.get_input_embeddings().weight.requires_grad_(True)
@@ -126,15 +127,13 @@ def test_gradient_audit_refuses_a_trainable_lm_weight(prepared, tmp_path):
 def test_alignment_and_sft_run_on_each_tiny_architecture(prepared, tmp_path, model):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model=model))
     copy_prepared(prepared / "run", tmp_path / "run")
-    align = run_stage(recipe, "alignment", tmp_path / "run", progress=False)
-    sft = run_stage(recipe, "sft", tmp_path / "run", progress=False)
+    align = run_stage(recipe, "alignment", tmp_path / "run", progress=False, registry=get_host())
+    sft = run_stage(recipe, "sft", tmp_path / "run", progress=False, registry=get_host())
     assert align["trainable_parameters"]["adapter"] == 0 and align["trainable_parameters"]["other"] == 0
     assert sft["trainable_parameters"]["adapter"] > 0 and sft["trainable_parameters"]["other"] == 0
     assert not sft["packed"]  # hybrid layers would leak state across packed samples
     step = Path(sft["checkpoint"])
     config = json.loads((step / "adapter" / "adapter_config.json").read_text())
-    from stitch.plugins.host import get_host
-
     assert sorted(config["target_modules"]) == sorted(get_host().get("models", model).lora_target_modules)
     assert all(torch.isfinite(torch.tensor(_losses(tmp_path / "run", "sft"))))
 

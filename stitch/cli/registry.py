@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 
 from stitch.cli.app import app, console
+from stitch.host.host import get_host
 from stitch.plugins.hookspecs import HOOKS
-from stitch.plugins.host import get_host
 
 
 def _print_failures() -> None:

@@ -46,6 +46,7 @@ def infer(
     """Answer questions about inputs: the model loads once; per input the encoder runs once, then projector and engine."""
     from tqdm.auto import tqdm
 
+    from stitch.host.host import get_host
     from stitch.runs.atomic import write_text_atomic
     from stitch.serve.inference import Stitched
 
@@ -59,7 +60,7 @@ def infer(
         if image is not None or question is not None:
             raise typer.BadParameter("--input answers a JSONL of rows; do not also give --image/--question")
         rows = _read_jsonl(input_rows)  # every row checked before the model loads
-    server = Stitched(adapter, engine=engine)
+    server = Stitched(adapter, get_host(), engine=engine)
     err_console.print(f"checkpoint: {server.checkpoint.step_dir}", highlight=False)
     if input_rows is None:
         typer.echo(server.answer(rows[0]["image"], rows[0]["question"], max_new_tokens=max_new_tokens))
@@ -81,9 +82,10 @@ def export(
     out: Path = typer.Option(..., "--out", help="Export directory: model/ (merged, save_pretrained), projector/."),
 ) -> None:
     """Merge the adapter into the base LM and save it with save_pretrained, beside the projector artifact."""
+    from stitch.host.host import get_host
     from stitch.serve.export import export_checkpoint
 
-    manifest = export_checkpoint(_checkpoint_of(checkpoint), out)
+    manifest = export_checkpoint(_checkpoint_of(checkpoint), out, get_host())
     console.print(f"exported {manifest['base_model']} ({manifest['architecture']}) from {manifest['checkpoint']} "
                   f"-> {out}", highlight=False)
 
@@ -98,13 +100,15 @@ def serve(
     max_image_pixels: int = typer.Option(40_000_000, "--max-image-pixels", help="Refuse larger images (400)."),
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible API: GET /v1/models, POST /v1/chat/completions."""
+    from stitch.host.host import get_host
     from stitch.serve.server import serve as run_server
 
     def ready(server) -> None:
         address = f"http://{server.server_address[0]}:{server.server_address[1]}/v1"
         console.print(f"serving {server.model_name!r} at {address}", highlight=False)
 
-    run_server(_checkpoint_of(checkpoint), host=host, port=port, engine=engine, model_name=model_name,
+    run_server(_checkpoint_of(checkpoint), get_host(), host=host, port=port, engine=engine,
+               model_name=model_name,
                max_pixels=max_image_pixels, ready=ready)
 
 

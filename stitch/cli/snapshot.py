@@ -31,8 +31,8 @@ def snapshot(
     host never holds the whole model), so `model: {name: MODEL, snapshot: OUT}` in a recipe trains offline."""
     import torch
 
+    from stitch.host.host import get_host
     from stitch.model.snapshots import write_model_snapshot
-    from stitch.plugins.host import get_host
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")

@@ -10,16 +10,19 @@ import typer
 from rich.table import Table
 
 from stitch.cli.app import app, console
+from stitch.config.recipe import Recipe
+from stitch.host.host import get_host
 from stitch.stages.registry import STAGES
 
 OVERRIDES_HELP = "Recipe overrides as key=value (e.g. stages.sft.steps=50)."
 
 
-def _load(recipe: str, overrides: list[str] | None) -> Any:
-    """The recipe with command-line ``key=value`` overrides applied (and refused by field path when wrong)."""
+def _load(recipe: str, overrides: list[str] | None) -> Recipe:
+    """The recipe (a registered name or a path) with command-line ``key=value`` overrides applied (and refused by
+    field path when wrong)."""
     from stitch.config.recipe import load_recipe
 
-    return load_recipe(recipe, overrides=overrides) if overrides else load_recipe(recipe)
+    return load_recipe(recipe, get_host(), overrides=overrides or ())
 
 
 @app.command()
@@ -32,17 +35,18 @@ def train(
     max_steps: int = typer.Option(None, "--max-steps", help="Stop after this many steps (for smoke runs)."),
 ) -> None:
     """Run one post-training stage of a recipe; prepared data is read from OUT/data."""
-    from stitch.config.validate import validate_recipe
+    from stitch.host.validate import validate_recipe
     from stitch.stages.distributed import launch_rank
     from stitch.stages.loop import run_stage
 
     if stage not in STAGES:
         raise typer.BadParameter(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
     loaded = _load(recipe, overrides)
-    validate_recipe(loaded)
+    validate_recipe(loaded, get_host())
     if stage not in loaded.stages:
         raise typer.BadParameter(f"recipe {loaded.name!r} has no stage {stage!r}; it has {sorted(loaded.stages)}")
-    summary = run_stage(loaded, stage, out or Path("runs") / loaded.name, resume=resume, max_steps=max_steps)
+    summary = run_stage(loaded, stage, out or Path("runs") / loaded.name, registry=get_host(), resume=resume,
+                        max_steps=max_steps)
     if launch_rank() == 0:
         _print_summary(stage, summary)
 
@@ -66,15 +70,16 @@ def run(
     dpo: bool = typer.Option(False, "--dpo", help="Also run the DPO stage after GRPO."),
 ) -> None:
     """The main job: prepare -> alignment -> SFT -> GRPO -> evaluation -> answers to a few held-out rows."""
-    from stitch.stages.chain import run_chain
+    from stitch.host.validate import validate_recipe
+    from stitch.stages.chain import DEFAULT_STAGES, run_chain
 
     if "=" in recipe and not Path(recipe).exists():  # `stitch run key=value ...`: overrides of the default recipe
         overrides, recipe = [recipe, *(overrides or [])], "demo"
     loaded = _load(recipe, overrides)
     out = out or Path("runs") / loaded.name
-    from stitch.stages.chain import DEFAULT_STAGES
-
-    summary = run_chain(loaded, out, stages=DEFAULT_STAGES + (("dpo",) if dpo else ()), resume=not fresh)
+    validate_recipe(loaded, get_host())  # every stage's options, before any data or weights are touched
+    summary = run_chain(loaded, out, registry=get_host(), stages=DEFAULT_STAGES + (("dpo",) if dpo else ()),
+                        resume=not fresh)
     table = Table(title=f"stitch run {loaded.name} -> {out}")
     for col in ("stage", "seconds", "eval accuracy", "notes"):
         table.add_column(col)
@@ -115,8 +120,9 @@ def prepare(
     from stitch.config.recipe import RecipeError
     from stitch.data.feature_cache import FeatureCacheError
     from stitch.data.prepare import REPORT_NAME, PrepareError, describe_skips
-    from stitch.data.prepare import prepare as run_prepare
-    from stitch.plugins.host import RegistryLookupError
+    from stitch.host.host import RegistryLookupError
+    from stitch.model.binding import ModelBinding
+    from stitch.stages.chain import prepare_data
 
     try:
         loaded = _load(recipe, overrides)
@@ -125,7 +131,8 @@ def prepare(
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        report = run_prepare(loaded, out, device=device)
+        binding = ModelBinding.for_recipe(loaded, get_host(), device="cpu")  # the tokenizer only
+        report = prepare_data(loaded, binding, out, device=device)
     except (RecipeError, PrepareError, FeatureCacheError, RegistryLookupError) as exc:
         console.print(f"[red]prepare failed:[/red] {exc}", highlight=False)
         raise typer.Exit(1) from exc

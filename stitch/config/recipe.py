@@ -47,6 +47,8 @@ from stitch.config.options import (
     Strict,
     Text,
 )
+from stitch.plugins.registry import Registry
+from stitch.plugins.specs import RecipeSpec
 
 FeatureDtype = Literal["float16", "bfloat16", "float32"]
 SourceFormat = Literal["parquet", "json", "imagefolder"]
@@ -628,20 +630,21 @@ def parse_recipe(mapping: Any, *, path: Path | None = None, overrides: Iterable[
     )
 
 
-def load_recipe(name_or_path: str | Path, host: Any = None, *, overrides: Iterable[str] = ()) -> Recipe:
-    """A recipe by registered name (``register_recipes``) or by YAML file path, with ``key=value`` overrides
-    (``stages.sft.steps=50``; values parse as YAML, so ``lora={r: 8}`` and ``1e-4`` work)."""
+def load_recipe(name_or_path: str | Path, registry: Registry | None = None, *,
+                overrides: Iterable[str] = ()) -> Recipe:
+    """A recipe by YAML file path, or by a name registered in ``registry`` (``register_recipes``; the CLI passes the
+    plugin host), with ``key=value`` overrides (``stages.sft.steps=50``; values parse as YAML, so ``lora={r: 8}``
+    and ``1e-4`` work)."""
     candidate = Path(name_or_path)
     if candidate.suffix in {".yaml", ".yml"} or candidate.is_file():
         if not candidate.is_file():
             raise RecipeError(f"recipe file {str(candidate)!r} does not exist")
         path = candidate.resolve()
+    elif registry is None:
+        raise RecipeError(f"recipe {str(name_or_path)!r} is not a file; a registered recipe name needs the "
+                          f"registry of recipes (load_recipe(name, host))")
     else:
-        if host is None:
-            from stitch.plugins.host import get_host
-
-            host = get_host()
-        path = Path(host.get("recipes", str(name_or_path)).path)
+        path = Path(registry.get("recipes", str(name_or_path)).path)
     try:
         mapping = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
@@ -702,11 +705,9 @@ def recipe_json_schema() -> dict[str, Any]:
 
 
 
-def shipped_recipes(directory: Path) -> list[Any]:
+def shipped_recipes(directory: Path) -> list[RecipeSpec]:
     """A ``RecipeSpec`` for every ``*.yaml`` in ``directory`` (a plugin's recipes), described by the file's
     first comment line."""
-    from stitch.plugins.specs import RecipeSpec
-
     return [
         RecipeSpec(path.stem, path, path.read_text().splitlines()[0].lstrip("# "))
         for path in sorted(Path(directory).glob("*.yaml"))

@@ -1,7 +1,6 @@
-"""The recipe checks that need the installed plugins (registered model, encoder, projector, sentinels, task; a
-pack holds at least one media block) and the parallel layout's arithmetic (world size against data/tensor/expert
-parallel sizes, batch divisibility, GPUs per role). Types, ranges and cross-stage contracts are the schema's
-(``stitch.config.recipe``), checked when the recipe loads."""
+"""The parallel layout's arithmetic (world size against data/tensor/expert parallel sizes, batch divisibility, GPUs
+per role). Types, ranges and cross-stage contracts are the schema's (``stitch.config.recipe``), checked when the
+recipe loads; the checks that need the installed plugins are ``stitch.host.validate``'s."""
 
 from __future__ import annotations
 
@@ -10,48 +9,19 @@ from typing import Any
 from stitch.config.options import StageOptions
 from stitch.config.recipe import ParallelConfig, Recipe, RecipeError
 
-PACKED_STAGES = ("alignment", "sft")  # stages whose options carry a token_budget
-
-
-def validate_recipe(recipe: Recipe, host: Any = None) -> dict[str, StageOptions]:
-    """The recipe's stages (name -> typed options) once everything it names is registered and its layout adds
-    up; raises naming the field at fault."""
-    from stitch.plugins.host import get_host
-
-    host = host or get_host()
-    model = host.get("models", recipe.model)
-    encoder = host.get("encoders", recipe.encoder)
-    host.get("projectors", recipe.projector)
-    host.get("token_sentinels", model.sentinels)
-    from stitch.tasks import TaskError, check_task
-
-    try:  # the task's reward/grader import and its DPO pair source, before any data or weights
-        check_task(recipe, host)
-    except TaskError as exc:
-        raise RecipeError(str(exc)) from exc
-    # a sample holds at least one media block: start + placeholders + end
-    floor = encoder.tokens_per_item + 2
-    for stage in PACKED_STAGES:
-        opts = recipe.stages.get(stage)
-        if opts is not None and opts.token_budget < floor:
-            _fail(recipe, f"field 'stages.{stage}.token_budget': expected at least {floor} "
-                          f"({encoder.tokens_per_item} soft tokens + 2 sentinels), got {opts.token_budget}")
-    check_parallel(recipe, recipe.stages)
-    return dict(recipe.stages)
-
-
 # -- parallel layout -----------------------------------------------------------------------------------
 # What a training stage divides across data-parallel ranks: every rank takes an equal share of it.
 DATA_PARALLEL_BATCH = {"alignment": ("batch_size", "packs"), "sft": ("batch_size", "packs")}
 
 
-def _fail(recipe: Recipe, message: str) -> None:
+def fail(recipe: Recipe, message: str) -> None:
+    """Raise a RecipeError naming the recipe."""
     raise RecipeError(f"{recipe.where()}: {message}")
 
 
 def _divides(recipe: Recipe, what: str, size: int, into: str, total: int) -> None:
     if total % size:
-        _fail(recipe, f"{what}={size} does not divide {into}={total} ({total} % {size} = {total % size})")
+        fail(recipe, f"{what}={size} does not divide {into}={total} ({total} % {size} = {total % size})")
 
 
 def check_batch_divisible(recipe: Recipe, stage: str, opts: Any, data_parallel: int, label: str) -> None:
@@ -61,7 +31,7 @@ def check_batch_divisible(recipe: Recipe, stage: str, opts: Any, data_parallel: 
     key, unit = DATA_PARALLEL_BATCH[stage]
     value = getattr(opts, key)
     if value % data_parallel:
-        _fail(recipe, f"stages.{stage}.{key}={value} {unit} is not divisible by {label}={data_parallel} "
+        fail(recipe, f"stages.{stage}.{key}={value} {unit} is not divisible by {label}={data_parallel} "
                       f"({value} % {data_parallel} = {value % data_parallel}); every rank takes an equal share "
                       f"of the global batch")
 
@@ -79,7 +49,7 @@ def resolve_parallel(recipe: Recipe) -> tuple[int | None, int | None]:
     _divides(recipe, "parallel.expert_parallel", ep, "world_size", world)
     dp = par.data_parallel if par.data_parallel is not None else world // tp
     if dp * tp != world:
-        _fail(recipe, f"parallel.data_parallel={dp} x tensor_parallel={tp} = {dp * tp} ranks, but "
+        fail(recipe, f"parallel.data_parallel={dp} x tensor_parallel={tp} = {dp * tp} ranks, but "
                       f"world_size={world}; data_parallel x tensor_parallel must equal world_size")
     return world, dp
 
@@ -93,21 +63,21 @@ def check_parallel(recipe: Recipe, resolved: dict[str, StageOptions]) -> None:
     if par.roles_given and "grpo" in recipe.stages:
         need = par.policy_gpus + par.rollout_gpus * par.rollout_replicas
         if world is not None and need > world:
-            _fail(recipe, f"GRPO needs policy {par.policy_gpus} + rollout {par.rollout_gpus} x "
+            fail(recipe, f"GRPO needs policy {par.policy_gpus} + rollout {par.rollout_gpus} x "
                           f"{par.rollout_replicas} replicas = {need} GPUs, world_size is {world}")
         if "grpo" in resolved and resolved["grpo"].prompts_per_step % par.rollout_replicas:
             prompts, replicas = resolved["grpo"].prompts_per_step, par.rollout_replicas
-            _fail(recipe, f"stages.grpo.prompts_per_step={prompts} prompts is not divisible by "
+            fail(recipe, f"stages.grpo.prompts_per_step={prompts} prompts is not divisible by "
                           f"rollout_replicas={replicas} ({prompts} % {replicas} = {prompts % replicas})")
         check_grpo_roles(recipe, par, resolved.get("grpo"))
     for stage, opts in resolved.items():
         check_batch_divisible(recipe, stage, opts, dp or 1, "data_parallel")
     if par.tensor_parallel > 1:
-        _fail(recipe, f"parallel.tensor_parallel={par.tensor_parallel}: tensor parallelism is not implemented for "
+        fail(recipe, f"parallel.tensor_parallel={par.tensor_parallel}: tensor parallelism is not implemented for "
                       f"training in stitch yet (alignment and SFT run FSDP2 data parallel only); set "
                       f"tensor_parallel: 1")
     if par.expert_parallel > 1:
-        _fail(recipe, f"parallel.expert_parallel={par.expert_parallel}: expert parallelism is not implemented in "
+        fail(recipe, f"parallel.expert_parallel={par.expert_parallel}: expert parallelism is not implemented in "
                       f"stitch yet (FSDP2 shards every expert tensor across the data-parallel ranks instead; "
                       f"see docs/scaling.md); set expert_parallel: 1")
 
@@ -116,15 +86,15 @@ def check_grpo_roles(recipe: Recipe, par: ParallelConfig, grpo: Any) -> None:
     """What the Ray placement of GRPO's roles can do today: one policy process on one GPU, replicas of one GPU
     each, and only when the stage places its rollouts on Ray at all."""
     if par.policy_gpus != 1:
-        _fail(recipe, f"parallel.gpus.policy={par.policy_gpus}: expected 1 (the GRPO policy trains in the "
+        fail(recipe, f"parallel.gpus.policy={par.policy_gpus}: expected 1 (the GRPO policy trains in the "
                       f"`stitch train grpo` process on one GPU; sharding it over several GPUs is not implemented), "
                       f"got {par.policy_gpus}")
     if par.rollout_gpus != 1:
-        _fail(recipe, f"parallel.gpus.rollout={par.rollout_gpus}: expected 1 GPU per rollout replica (a replica "
+        fail(recipe, f"parallel.gpus.rollout={par.rollout_gpus}: expected 1 GPU per rollout replica (a replica "
                       f"spanning several GPUs, a tensor-parallel engine, is not implemented), got "
                       f"{par.rollout_gpus}; raise parallel.rollout_replicas instead")
     if grpo is not None and par.rollout_replicas > 1 and grpo.placement != "ray":
-        _fail(recipe, f"parallel.rollout_replicas={par.rollout_replicas} needs Ray-placed rollouts: expected "
+        fail(recipe, f"parallel.rollout_replicas={par.rollout_replicas} needs Ray-placed rollouts: expected "
                       f"stages.grpo.placement: ray, got {grpo.placement!r} (a colocated engine is one replica in "
                       f"this process, the others would be ignored)")
 
@@ -134,7 +104,7 @@ def check_launch(recipe: Recipe, stage: str, opts: Any, world_size: int) -> None
     stage's batch must split evenly over it."""
     world, _ = resolve_parallel(recipe)
     if world is not None and world != world_size:
-        _fail(recipe, f"parallel.world_size={world}, but this launch has WORLD_SIZE={world_size}; start it with "
+        fail(recipe, f"parallel.world_size={world}, but this launch has WORLD_SIZE={world_size}; start it with "
                       f"`torchrun --nproc-per-node {world} -m stitch train {stage} ...`"
                       + (" (or `stitch train` alone for one process)" if world == 1 else ""))
     check_batch_divisible(recipe, stage, opts, world_size, "WORLD_SIZE")

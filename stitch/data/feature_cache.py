@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from stitch.plugins.specs import TaskRow
+from stitch.runs.digest import file_sha256
 
 CACHE_DIRNAME = "feature-cache"
 MANIFEST_NAME = "manifest.jsonl"
@@ -46,14 +47,6 @@ class FeatureKey:
 
     def as_json(self) -> dict[str, Any]:
         return {"shard": self.shard, "index": self.index, **({"sha256": self.sha256} if self.sha256 else {})}
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # safetensors' names of the dtypes a shard may hold (``data.feature_dtype``)
@@ -94,7 +87,7 @@ def write_tensor_file(path: Path, name: str, tensor: torch.Tensor, metadata: Map
 
 def save_file_and_hash(path: Path, name: str, tensor: torch.Tensor, metadata: Mapping[str, str]) -> str:
     """``write_tensor_file`` through safetensors' own writer, then the file read back for its sha256 (what a dtype
-    or a host ``write_tensor_file`` does not write itself gets; every shard before round 20)."""
+    or a host ``write_tensor_file`` does not write itself gets, and what older caches' shards were written with)."""
     from safetensors.torch import save_file
 
     save_file({name: tensor.contiguous()}, str(path), metadata=dict(metadata))

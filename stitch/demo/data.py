@@ -17,7 +17,9 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from stitch.config.recipe import BuiltinSource
 from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, MAX_OBJECTS, SHAPES, SIZES, answer_text
+from stitch.plugins.snapshot_cache import ensure_snapshot
 
 IMAGE_SIZE = 224
 BACKGROUND = (235, 235, 235)
@@ -219,8 +221,6 @@ def write_counting_shapes(out_dir: Path, rows: int, caption_rows: int = 0, seed:
 
 def ensure_builtin(builtin: str, rows: int, caption_rows: int = 0, seed: int = 0, **options: Any) -> Path:
     """The parquet file of a builtin dataset, generated once into the stitch cache (atomically)."""
-    from stitch.model.snapshots import ensure_snapshot
-
     version = _generator(builtin)[1]
     key = f"{builtin}-v{version}-r{rows}-c{caption_rows}-s{seed}"
     if options:
@@ -231,3 +231,9 @@ def ensure_builtin(builtin: str, rows: int, caption_rows: int = 0, seed: int = 0
 
 def ensure_counting_shapes(rows: int, caption_rows: int = 0, seed: int = 0) -> Path:
     return ensure_builtin("counting-shapes", rows, caption_rows, seed)
+
+
+def builtin_parquet(source: BuiltinSource) -> Path:
+    """The parquet file of a recipe's built-in source (``data.source.builtin``): what ``stitch.data.prepare``
+    streams in place of user data."""
+    return ensure_builtin(source.builtin, source.rows, source.caption_rows, source.seed, **source.generator_options())

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from stitch.data.collator import IGNORE_INDEX, tokenize_example
+from stitch.data.sentinels import SentinelIds
 from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, MAX_OBJECTS, SHAPES, SIZES, answer_text
 
 EMPTY_CELL = "."
@@ -48,9 +50,6 @@ def task_examples(tokenizer: Any, sentinels: tuple[str, str, str], tokens_per_it
     Labels cover the text (question and answer); the cells are masked: which cell holds an object is random,
     so predicting them teaches nothing.
     """
-    from stitch.data.collator import IGNORE_INDEX, tokenize_example
-    from stitch.data.sentinels import SentinelIds
-
     start, placeholder, end = tokenizer.convert_tokens_to_ids(list(sentinels))
     ids = SentinelIds(start, placeholder, end)
     empty = single_token(tokenizer, EMPTY_CELL)
@@ -93,8 +92,6 @@ def pretrain_in_place(model_dir: Path, sentinels: tuple[str, str, str], *, steps
                       lr: float = 3e-3, tokens_per_item: int = 49, seed: int = 0) -> None:
     """Load the snapshot in ``model_dir``, train all parameters on task text, save it back (safetensors)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from stitch.data.collator import IGNORE_INDEX
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with deterministic_cpu():

@@ -13,7 +13,10 @@ from typing import Any
 import torch
 
 from stitch.config.options import LoraOptions
+from stitch.config.recipe import Recipe
+from stitch.data.collator import prompt_token_ids, render_prompt
 from stitch.data.sentinels import SentinelError, SentinelIds, resolve_sentinels
+from stitch.model.artifacts import check_provenance, load_projector_artifact, save_projector_artifact
 from stitch.model.loading import (
     BackendError,
     SnapshotError,
@@ -24,12 +27,14 @@ from stitch.model.loading import (
     with_backend,
     with_local_snapshot,
 )
+from stitch.model.stitched import StitchedModel
+from stitch.plugins.registry import Registry
 from stitch.plugins.specs import EncoderSpec, ModelSpec
 
 
 @dataclass
 class ModelBinding:
-    host: Any
+    registry: Registry  # the projectors, payloads and engines the stages build by name
     model_spec: ModelSpec
     encoder_spec: EncoderSpec
     projector_type: str
@@ -42,30 +47,24 @@ class ModelBinding:
     snapshot: Path | None = None
 
     @classmethod
-    def resolve(cls, host: Any, model: str, encoder: str, projector: str, dtype: torch.dtype = torch.float32,
+    def resolve(cls, registry: Registry, model: str, encoder: str, projector: str, dtype: torch.dtype = torch.float32,
                 device: str | torch.device | None = None, snapshot: Path | str | None = None,
                 backend: str = "transformers") -> ModelBinding:
         """Look up the registrations by name and load the tokenizer (no model weights load here); ``snapshot``: a
         local snapshot directory the model is read from instead of its source; ``backend``: the LM implementation
         (``ModelSpec.backends``); both checked here, before any load."""
-        model_spec = with_backend(host.get("models", model), backend)
+        model_spec = with_backend(registry.get("models", model), backend)
         if snapshot is not None:
             model_spec = with_local_snapshot(model_spec, snapshot)
             snapshot = Path(snapshot).resolve()
-        return cls.for_spec(host, model_spec, encoder, projector, dtype, device, snapshot=snapshot)
+        return cls.for_spec(registry, model_spec, encoder, projector, dtype, device, snapshot=snapshot)
 
     @classmethod
-    def for_artifact(cls, manifest: dict[str, Any], where: str, host: Any = None, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device | None = None) -> ModelBinding:
+    def for_artifact(cls, manifest: dict[str, Any], where: str, registry: Registry,
+                     dtype: torch.dtype = torch.float32, device: str | torch.device | None = None) -> ModelBinding:
         """The binding a projector artifact's ``manifest`` was trained with: its registered names and the local
         snapshot it recorded, which must still be at that path and hold the same base (its fingerprint); both are
         checked here, before any model weights load. ``where`` names the artifact in errors."""
-        from stitch.model.artifacts import check_provenance
-
-        if host is None:
-            from stitch.plugins.host import get_host
-
-            host = get_host()
         snapshot = manifest.get("base_model_snapshot")
         if snapshot is not None and not Path(snapshot).is_dir():
             raise SnapshotError(
@@ -79,20 +78,20 @@ class ModelBinding:
                 f"on the transformers backend, which can generate, and this backend's adapter key names (e.g. "
                 f"'shared_experts') are not mapped to it yet. Train on model.backend: transformers to serve or export "
                 f"the result")
-        binding = cls.resolve(host, manifest["base_model"], manifest["encoder"], manifest["projector_type"], dtype,
+        binding = cls.resolve(registry, manifest["base_model"], manifest["encoder"], manifest["projector_type"], dtype,
                               device, snapshot=snapshot)
         check_provenance(manifest, binding.base_identity(), where)
         return binding
 
     @classmethod
-    def for_spec(cls, host: Any, model_spec: ModelSpec, encoder: str, projector: str,
+    def for_spec(cls, registry: Registry, model_spec: ModelSpec, encoder: str, projector: str,
                  dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
                  snapshot: Path | None = None) -> ModelBinding:
         """``resolve`` for a model spec already in hand (e.g. one pointed at the local snapshot ``snapshot``)."""
-        encoder_spec = host.get("encoders", encoder)
-        host.get("projectors", projector)
+        encoder_spec = registry.get("encoders", encoder)
+        registry.get("projectors", projector)
         tokenizer = load_tokenizer(model_spec)
-        sentinel_ids = resolve_sentinels(host.get("token_sentinels", model_spec.sentinels), tokenizer)
+        sentinel_ids = resolve_sentinels(registry.get("token_sentinels", model_spec.sentinels), tokenizer)
         control = {"pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id}
         clash = {role: name for role, i in sentinel_ids.as_dict().items() for name, c in control.items() if i == c}
         if clash:  # a placeholder equal to pad would be masked as padding; equal to eos, it would end every prompt
@@ -100,17 +99,15 @@ class ModelBinding:
                                 f"tokens (ids {control}) in {model_spec.source.describe()}; this tokenizer redefined "
                                 f"them, so pick other sentinels or restore its pad/eos tokens")
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        return cls(host, model_spec, encoder_spec, projector, tokenizer, sentinel_ids, dtype, dev, snapshot)
+        return cls(registry, model_spec, encoder_spec, projector, tokenizer, sentinel_ids, dtype, dev, snapshot)
 
     @classmethod
-    def for_recipe(cls, recipe: Any, host: Any = None, dtype: torch.dtype = torch.float32,
+    def for_recipe(cls, recipe: Recipe, registry: Registry, dtype: torch.dtype = torch.float32,
                    device: str | torch.device | None = None) -> ModelBinding:
-        if host is None:
-            from stitch.plugins.host import get_host
-
-            host = get_host()
+        """``resolve`` for a recipe's model, encoder, projector, local snapshot and backend; refuses a stage the
+        backend cannot run."""
         backend = getattr(recipe, "model_backend", "transformers")
-        binding = cls.resolve(host, recipe.model, recipe.encoder, recipe.projector, dtype, device,
+        binding = cls.resolve(registry, recipe.model, recipe.encoder, recipe.projector, dtype, device,
                               snapshot=getattr(recipe, "model_snapshot", None), backend=backend)
         check_stages_fit_backend(recipe, binding.model_spec)
         return binding
@@ -127,26 +124,22 @@ class ModelBinding:
         return list(self.sentinel_ids.as_dict().values())
 
     def prompt_text(self, question: str, num_items: int = 1) -> str:
-        from stitch.data.collator import render_prompt
-
         return render_prompt(self.tokenizer, question, self.sentinel_ids, self.encoder_spec.tokens_per_item, num_items)
 
     def prompt_ids(self, question: str, num_items: int = 1) -> list[int]:
         """The prompt's token ids: the question stays text (a sentinel it spells is not a control token)."""
-        from stitch.data.collator import prompt_token_ids
-
         return prompt_token_ids(self.tokenizer, question, self.sentinel_ids, self.encoder_spec.tokens_per_item,
                                 num_items)
 
     # -- model -------------------------------------------------------------------------------------
     def load_lm(self) -> torch.nn.Module:
         """The frozen base LM in the binding's dtype."""
-        lm = load_model(self.model_spec, dtype=self.dtype)
+        lm = load_model(self.model_spec, dtype=self.dtype, registry=self.registry)
         lm.requires_grad_(False)
         return lm
 
     def build_projector(self, hidden: int) -> torch.nn.Module:
-        projector = self.host.get("projectors", self.projector_type).build(self.encoder_spec.feature_width, hidden)
+        projector = self.registry.get("projectors", self.projector_type).build(self.encoder_spec.feature_width, hidden)
         return projector.to(self.dtype)
 
     def build_model(
@@ -162,8 +155,6 @@ class ModelBinding:
         """Frozen LM (+ a new LoRA from ``lora`` or the PEFT adapter at ``adapter_from``), projector (fresh or from
         the artifact at ``projector_from``), on the binding's device. ``lm``: an already loaded base (inference
         passes one with the adapter merged in)."""
-        from stitch.model.stitched import StitchedModel
-
         lm = self.load_lm() if lm is None else lm
         hidden = hidden_size(lm)
         projector = self.build_projector(hidden)
@@ -247,8 +238,6 @@ class ModelBinding:
     # -- artifacts ---------------------------------------------------------------------------------
     def load_projector(self, projector: torch.nn.Module, path: Path, hidden: int) -> None:
         """Projector weights from an artifact whose provenance matches this binding (any stage wrote it)."""
-        from stitch.model.artifacts import load_projector_artifact
-
         expected = self.provenance(hidden, stage="*")
         expected.pop("stage")
         projector.load_state_dict(load_projector_artifact(path, expected))
@@ -259,8 +248,6 @@ class ModelBinding:
 
         ``state``: full tensors keyed like ``model.named_parameters()`` (gathered from FSDP shards); None reads the
         live module."""
-        from stitch.model.artifacts import save_projector_artifact
-
         hidden = hidden_size(model.lm)
         projector: Any = model.projector
         if state is not None:
@@ -290,7 +277,7 @@ class ModelBinding:
                 raise RuntimeError(f"{step_dir / 'adapter'}: unexpected adapter keys {result.unexpected_keys[:5]}")
 
 
-def check_stages_fit_backend(recipe: Any, spec: ModelSpec) -> None:
+def check_stages_fit_backend(recipe: Recipe, spec: ModelSpec) -> None:
     """Refuse, before any weight loads, a recipe whose stages need what ``spec``'s backend cannot do: generation
     (GRPO rollouts, a stage's ``eval_partition``)."""
     why = refused_by_backend(spec, "generate")

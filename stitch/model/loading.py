@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from stitch.plugins.registry import Registry
 from stitch.plugins.specs import ModelSource, ModelSpec, StateDictAdapterSpec
 
 log = logging.getLogger("stitch")
@@ -46,7 +47,7 @@ def kernel_report(spec: ModelSpec) -> list[str]:
     lines = []
     if missing:
         lines.append(f"{spec.name}: {', '.join(sorted(missing))} not installed; its hybrid layers fall back to the "
-                     f"PyTorch reference (several times slower, see BENCHMARKS.md). Install: pip install "
+                     f"PyTorch reference (several times slower on a GPU). Install: pip install "
                      f"{' '.join(missing.values())}")
     for module in sorted(set(spec.kernels) - set(missing)):
         try:  # installed but unusable (e.g. fla against a Triton that is too old): say why
@@ -223,16 +224,15 @@ class SafetensorsStateDict(Mapping[str, Any]):
 # -- models -------------------------------------------------------------------------------------------------
 
 
-def state_dict_adapter(spec: ModelSpec, host: Any = None) -> StateDictAdapterSpec | None:
+def state_dict_adapter(spec: ModelSpec, registry: Registry | None) -> StateDictAdapterSpec | None:
     """The registered adapter ``spec.state_dict_adapter`` names (None when it names none); a name nobody
     registered fails here, naming the model and the plugin to install."""
     if spec.state_dict_adapter is None:
         return None
-    if host is None:
-        from stitch.plugins.host import get_host
-
-        host = get_host()
-    return host.get("state_dict_adapters", spec.state_dict_adapter)
+    if registry is None:
+        raise ValueError(f"model {spec.name!r} loads through the state-dict adapter {spec.state_dict_adapter!r}: "
+                         f"pass the registry it is registered in (load_model(..., registry=host))")
+    return registry.get("state_dict_adapters", spec.state_dict_adapter)
 
 
 def _load_through_adapter(spec: ModelSpec, adapter: StateDictAdapterSpec, snapshot: Path, source: ModelSource,
@@ -259,7 +259,7 @@ def load_model(
     source: ModelSource | None = None,
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
-    host: Any = None,
+    registry: Registry | None = None,
     device: str | None = None,
 ) -> Any:
     """The base LM of ``spec``; weights come from safetensors only, remote code only when asked for.
@@ -267,12 +267,12 @@ def load_model(
     ``device`` (e.g. ``"cuda"``): weights load from the shards straight onto it (``device_map``), so the host never
     holds the model; a binding's own ``load`` loads on the host as before.
 
-    A snapshot in the source layout of the binding's state-dict adapter (resolved by name through ``host``, the
-    process-wide plugin host by default) is read through that adapter; then the binding's
+    A snapshot in the source layout of the binding's state-dict adapter (resolved by name through ``registry``,
+    needed only by a spec that names one) is read through that adapter; then the binding's
     ``install_sample_starts`` fits the model for packed training where it can (see ``packs_loaded``).
     """
     source = source or spec.source
-    adapter = state_dict_adapter(spec, host)
+    adapter = state_dict_adapter(spec, registry)
     if spec.backend != "transformers":
         model = _load_through_backend(spec, adapter, source, dtype, trust_remote_code, device)
         _check_hidden_size(spec, source, model)

@@ -1,12 +1,11 @@
-"""Locally built snapshots: tiny presets built once into the stitch cache, and random-init snapshots in a published
-checkpoint layout written shard by shard from a meta-device model (``write_random_weights``)."""
+"""Random-init snapshots in a published checkpoint layout, written shard by shard from a meta-device model
+(``write_random_weights``); the tiny presets' build cache is ``stitch.plugins.snapshot_cache``."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,51 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from stitch.runs.atomic import write_text_atomic
-
-
-def cache_root() -> Path:
-    """``$STITCH_CACHE`` or ``~/.cache/stitch``."""
-    return Path(os.environ.get("STITCH_CACHE", Path.home() / ".cache" / "stitch"))
-
-
-def snapshot_dir(key: str) -> Path:
-    """Where the built snapshot for ``key`` lives: one directory per transformers version. A build records the
-    version in its config files and runs that version's model code, so a cache filled by the quickstart's install
-    (the newest transformers in range) is not what the test install's pinned one builds."""
-    import transformers
-
-    return cache_root() / "snapshots" / f"{key}@transformers-{transformers.__version__}"
-
-
-def snapshot_ready(key: str) -> bool:
-    """Whether the snapshot for ``key`` is built (its ``.complete`` marker is written last)."""
-    return (snapshot_dir(key) / ".complete").exists()
-
-
-def ensure_snapshot(key: str, builder: Callable[[Path], None]) -> Path:
-    """The snapshot directory for ``key``, running ``builder(tmpdir)`` and renaming it into place once."""
-    final = snapshot_dir(key)
-    if (final / ".complete").exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
-    try:
-        builder(tmp)
-        (tmp / ".complete").write_text("ok\n")
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # another process finished first (or a stale partial dir exists without .complete)
-            if (final / ".complete").exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
 
 # -- random-init snapshots in a published checkpoint layout ------------------------------------------------
 
@@ -252,7 +206,6 @@ def _write_shard(shard: dict[str, Any], size: int, file_name: str, home: Path, o
     It is written inside a folder of its own (``.<file>.partial.d``) and renamed into place. safetensors itself
     writes through a ``.tmpXXXXXX`` file beside its target, so a write killed midway leaves that file in the folder,
     and the next write of the same shard removes the folder first: a re-run leaves no partial GiBs behind."""
-    import shutil
 
     from safetensors.torch import save_file
 

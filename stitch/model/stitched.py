@@ -11,13 +11,12 @@ import torch
 from torch import nn
 
 from stitch.data.packing import to_device
-from stitch.model import causal_lm
-from stitch.model.attention import packed_call, use_varlen_attention
-from stitch.model.cross_entropy import linear_cross_entropy, linear_token_logprobs, logprobs_from_logits
-from stitch.model.graphs import keep_eager
-from stitch.model.precision import HALF, lora_in_half_compute, projector_in_half_compute
+from stitch.kernels.attention import causal_lm, packed_call, use_varlen_attention
+from stitch.kernels.cross_entropy import linear_cross_entropy, linear_token_logprobs, logprobs_from_logits
+from stitch.kernels.graphs import keep_eager
+from stitch.kernels.precision import HALF, lora_in_half_compute, projector_in_half_compute
+from stitch.kernels.varlen import attach_host_copy, varlen_kwargs
 from stitch.model.scatter import scatter_soft_tokens
-from stitch.model.varlen import attach_host_copy, varlen_kwargs
 
 # config fields that make logits more than ``lm_head(hidden)``: such models take the full-logits loss
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
@@ -38,10 +37,10 @@ class HostIndex:
 
 
 class StitchedModel(nn.Module):
-    """``loss`` is the training path: packed rows attend within their sample (``stitch.model.attention``) and the
-    LM head + cross-entropy run in chunks (``stitch.model.cross_entropy``); ``logits`` gives the full logits. With a
+    """``loss`` is the training path: packed rows attend within their sample (``stitch.kernels.attention``) and the
+    LM head + cross-entropy run in chunks (``stitch.kernels.cross_entropy``); ``logits`` gives the full logits. With a
     bf16/fp16 LM the LoRA adapter and the projector compute in that dtype on fp32 master weights
-    (``stitch.model.precision``)."""
+    (``stitch.kernels.precision``)."""
 
     def __init__(self, lm: nn.Module, projector: nn.Module, placeholder_id: int, cuda_graphs: bool = True) -> None:
         super().__init__()

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stitch.plugins.snapshot_cache import ensure_snapshot, snapshot_ready
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -48,8 +50,6 @@ class ModelSource:
     def pretrained_kwargs(self) -> dict[str, Any]:
         """Arguments for ``from_pretrained``: a local path, or a repo id with its pinned revision."""
         if self.builder is not None:
-            from stitch.model.snapshots import ensure_snapshot
-
             return {"pretrained_model_name_or_path": str(ensure_snapshot(self.builder_key, self.builder))}
         if self.local_path is not None:
             return {"pretrained_model_name_or_path": self.local_path}
@@ -59,8 +59,6 @@ class ModelSource:
         """``pretrained_kwargs`` for ``AutoTokenizer``: a preset's tokenizer-only snapshot when its weights are not
         built yet and it declares a ``tokenizer_builder``, else the full snapshot."""
         if self.builder is not None and self.tokenizer_builder is not None:
-            from stitch.model.snapshots import ensure_snapshot, snapshot_ready
-
             if not snapshot_ready(self.builder_key):
                 snapshot = ensure_snapshot(f"{self.builder_key}-tokenizer", self.tokenizer_builder)
                 return {"pretrained_model_name_or_path": str(snapshot)}
@@ -185,7 +183,7 @@ class ModelSpec:
     # installs the sample-start path on a freshly loaded model; True when it did (the model then trains packed)
     install_sample_starts: Callable[[Any], bool] | None = None
     # whether a packed GPU training step runs the model's shape-static blocks (LoRA layers, MLPs) as CUDA graphs
-    # (stitch.model.graphs); False where measured slower than eager: the copies in and out of a graph cost more than
+    # (stitch.kernels.graphs); False where measured slower than eager: the copies in and out of a graph cost more than
     # the launches it saves
     cuda_graphs: bool = True
     # optional fused kernels: import name -> pip package; without them transformers runs PyTorch reference code

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 
 from stitch.model.scatter import scatter_soft_tokens
+from stitch.plugins.registry import Registry
 from stitch.plugins.specs import EncoderSpec, RolloutPayloadSpec
 from stitch.rollout.payloads import PayloadError
 
 
-def payload_for(host: Any, encoder: EncoderSpec) -> RolloutPayloadSpec:
-    """The rollout payload ``encoder`` names (``EncoderSpec.payload``), resolved through ``host``'s registry; an
+def payload_for(registry: Registry, encoder: EncoderSpec) -> RolloutPayloadSpec:
+    """The rollout payload ``encoder`` names (``EncoderSpec.payload``), looked up in ``registry``; an
     encoder that names none, or a payload of another modality, is refused naming both."""
     if not encoder.payload:
         raise LookupError(
@@ -27,7 +28,7 @@ def payload_for(host: Any, encoder: EncoderSpec) -> RolloutPayloadSpec:
             f"reach a rollout engine (GRPO, evaluation, inference): register a RolloutPayloadSpec "
             f"(stitch.api.feature_payload_spec builds one for cached features) and name it in the EncoderSpec"
         )
-    payload = host.get("rollout_payloads", encoder.payload)
+    payload = registry.get("rollout_payloads", encoder.payload)
     if payload.modality != encoder.modality:
         raise LookupError(f"encoder {encoder.name!r} (modality {encoder.modality!r}) names the rollout payload "
                           f"{payload.name!r}, which carries modality {payload.modality!r}")

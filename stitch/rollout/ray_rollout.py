@@ -38,12 +38,15 @@ from typing import Any
 
 import torch
 
+from stitch.config.recipe import Recipe
+from stitch.model.loading import load_model, source_fingerprint, with_local_snapshot
+from stitch.plugins.registry import Registry, SpecTable
 from stitch.rollout.engines import Completion, sampling_seed
-from stitch.rollout.vllm_engine import RefitError, merged_state_dict, write_engine_config
+from stitch.rollout.vllm_engine import RefitError, VLLMEngine, merged_state_dict, write_engine_config
 
 BUCKET_BYTES = 256 << 20  # one broadcast carries at most this much (a larger single tensor goes alone)
 _ALIGN = 64  # byte offset of every tensor inside a bucket, so views of any dtype are aligned
-_FORWARDED_ENV = ("STITCH_", "HF_", "TRANSFORMERS_")  # the workers resolve plugins and snapshots like the driver
+_FORWARDED_ENV = ("STITCH_", "HF_", "TRANSFORMERS_")  # the workers find caches and snapshots like the driver
 
 Manifest = list[tuple[str, tuple[int, ...], str]]  # (name, shape, dtype) in broadcast order
 
@@ -70,8 +73,6 @@ def validate_payload(expected: Mapping[str, tuple[int, ...]], dtype: torch.dtype
                      state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The checks :meth:`VLLMEngine.validate` makes (whole state dict by name and shape, no meta tensors, finite
     values), against ``expected``; returns the payload with floating tensors in ``dtype``."""
-    from stitch.rollout.vllm_engine import VLLMEngine  # vLLM itself is not imported
-
     return VLLMEngine.validate(SimpleNamespace(expected=dict(expected), dtype=dtype), state_dict)
 
 
@@ -153,6 +154,19 @@ def _close_group(group: Any) -> None:
 # -- the worker (a Ray actor) -----------------------------------------------------------------------------
 
 
+def worker_specs(registry: Registry, engine: str, model: str) -> SpecTable:
+    """What a rollout worker looks up, picked from ``registry`` in the policy's process: the model and its
+    state-dict adapter (an engine on a transformers LM loads the base), the engine (vLLM is built by the worker's
+    own ``VLLMEngine``)."""
+    if engine == "vllm":
+        return SpecTable()
+    spec = registry.get("models", model)
+    wanted = [("models", model), ("rollout_engines", engine)]
+    if spec.state_dict_adapter is not None:
+        wanted.append(("state_dict_adapters", spec.state_dict_adapter))
+    return SpecTable.pick(registry, wanted)
+
+
 class RolloutWorker:
     """One rollout replica: its own engine on merged weights, fed by the policy's broadcasts.
 
@@ -160,14 +174,15 @@ class RolloutWorker:
     refit group. The engine is built on the first broadcast (the initial weights) and refit on every later one.
     """
 
-    def __init__(self, rank: int, *, engine: str, model: str, dtype: str, pad_id: int, eos_id: int | None,
-                 suppress_ids: Sequence[int], engine_config: dict[str, Any] | None, vocab_size: int | None,
-                 env: Mapping[str, str], seed: int, engine_options: Mapping[str, Any] | None = None,
-                 snapshot: str | None = None) -> None:
+    def __init__(self, rank: int, *, engine: str, model: str, specs: SpecTable, dtype: str, pad_id: int,
+                 eos_id: int | None, suppress_ids: Sequence[int], engine_config: dict[str, Any] | None,
+                 vocab_size: int | None, env: Mapping[str, str], seed: int,
+                 engine_options: Mapping[str, Any] | None = None, snapshot: str | None = None) -> None:
         os.environ.update(env)
         self.rank = rank
         self.engine_name = engine
         self.model_name = model
+        self.specs = specs  # the model, engine and state-dict adapter specs, shipped: no plugin host here
         self.dtype = _dtype(dtype)
         self.pad_id, self.eos_id, self.suppress_ids = pad_id, eos_id, list(suppress_ids)
         self.engine_config, self.vocab_size = engine_config, vocab_size
@@ -183,14 +198,11 @@ class RolloutWorker:
         self.expected: dict[str, tuple[int, ...]] | None = None
         self.base_fingerprint: str | None = None
         if engine != "vllm":  # an engine on a transformers LM: the policy's base snapshot, through the model plugin
-            from stitch.model.loading import load_model, source_fingerprint, with_local_snapshot
-            from stitch.plugins.host import get_host
-
-            spec = get_host().get("models", model)
+            spec = specs.get("models", model)
             if snapshot is not None:  # the recipe's model.snapshot, as the policy read it (refused here if absent)
                 spec = with_local_snapshot(spec, snapshot)
             self.base_fingerprint = source_fingerprint(spec.source)
-            self.lm = load_model(spec, dtype=self.dtype).to(self.device).eval()
+            self.lm = load_model(spec, dtype=self.dtype, registry=specs).to(self.device).eval()
             self.lm.requires_grad_(False)
             self.expected = {n: tuple(t.shape) for n, t in self.lm.state_dict().items()}
 
@@ -233,9 +245,7 @@ class RolloutWorker:
         payload = validate_payload(self.expected, self.dtype, payload)
         self.lm.load_state_dict(payload, strict=True)
         if self.engine is None:
-            from stitch.plugins.host import get_host
-
-            factory = get_host().get("rollout_engines", self.engine_name).factory
+            factory = self.specs.get("rollout_engines", self.engine_name).factory
             self.engine = factory(self.lm, pad_id=self.pad_id, eos_id=self.eos_id, suppress_ids=self.suppress_ids)
         else:
             self.engine.refit(payload)  # the embedded engine's is a no-op: it generates with self.lm
@@ -243,8 +253,6 @@ class RolloutWorker:
 
     def _build_vllm(self, payload: dict[str, torch.Tensor]) -> Any:
         import json
-
-        from stitch.rollout.vllm_engine import VLLMEngine
 
         self._config_dir = tempfile.TemporaryDirectory(prefix="stitch-ray-vllm-")
         (Path(self._config_dir.name) / "config.json").write_text(json.dumps(self.engine_config))
@@ -311,7 +319,8 @@ class RayRolloutEngine:
 
     name = "ray"
 
-    def __init__(self, lm: torch.nn.Module, *, engine: str, model: str, pad_id: int, eos_id: int | None,
+    def __init__(self, lm: torch.nn.Module, *, engine: str, model: str, registry: Registry, pad_id: int,
+                 eos_id: int | None,
                  suppress_ids: Sequence[int] = (), replicas: int = 1, gpus_per_replica: int = 1,
                  policy_gpus: int = 1, seed: int = 0, bucket_bytes: int = BUCKET_BYTES,
                  timeout_s: float = 600.0, ready_timeout_s: float = 120.0,
@@ -356,11 +365,12 @@ class RayRolloutEngine:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             actor = ray.remote(RolloutWorker)
+            specs = worker_specs(registry, engine, model)
             for i in range(replicas):
                 strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=1 + i)
                 self.workers.append(actor.options(
                     num_cpus=1, num_gpus=gpus_per_replica if use_gpu else 0, scheduling_strategy=strategy,
-                ).remote(1 + i, engine=engine, model=model, dtype=str(self.dtype).removeprefix("torch."),
+                ).remote(1 + i, engine=engine, model=model, specs=specs, dtype=str(self.dtype).removeprefix("torch."),
                          pad_id=pad_id, eos_id=eos_id, suppress_ids=list(suppress_ids), engine_config=engine_config,
                          vocab_size=vocab, env=env, seed=seed, engine_options=engine_options,
                          snapshot=None if snapshot is None else str(snapshot)))
@@ -383,7 +393,7 @@ class RayRolloutEngine:
             raise
 
     @classmethod
-    def for_recipe(cls, recipe: Any, lm: torch.nn.Module, **kwargs: Any) -> RayRolloutEngine:
+    def for_recipe(cls, recipe: Recipe, lm: torch.nn.Module, **kwargs: Any) -> RayRolloutEngine:
         """Replicas and GPUs per role from the recipe's ``parallel`` section (one replica when it has none)."""
         par = recipe.parallel
         if par is not None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from stitch.model import causal_lm
+from stitch.kernels.attention import causal_lm
 from stitch.model.merge import MergeError, lora_deltas, merge_into_state_dict
 from stitch.rollout.engines import Completion, sampling_seed
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from stitch.data.feature_cache import file_sha256
 from stitch.runs.atomic import write_text_atomic
+from stitch.runs.digest import file_sha256
 
 log = logging.getLogger("stitch")
 

@@ -16,25 +16,28 @@ from typing import Any
 
 import torch
 
+from stitch.data.collator import media_block
+from stitch.model.binding import ModelBinding
+from stitch.plugins.registry import Registry
+from stitch.serve.inference import resolve_checkpoint
+
 EXPORT_FORMAT = "stitch.export/1"
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def export_checkpoint(checkpoint: Path, out_dir: Path, registry: Registry, *,
+                      dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Merge ``checkpoint``'s adapter into its base LM and write the export to ``out_dir`` (atomically: a
     temporary sibling directory renamed into place). Returns the export manifest."""
     from peft import PeftModel
 
-    from stitch.data.collator import media_block
-    from stitch.model.binding import ModelBinding
-    from stitch.serve.inference import resolve_checkpoint
 
     resolved = resolve_checkpoint(Path(checkpoint))
     projector_manifest = json.loads((resolved.projector_dir / "manifest.json").read_text())
     # the base the run trained on: its recorded snapshot, checked against its fingerprint before any weight loads
-    binding = ModelBinding.for_artifact(projector_manifest, f"checkpoint {resolved.step_dir}", dtype=dtype,
+    binding = ModelBinding.for_artifact(projector_manifest, f"checkpoint {resolved.step_dir}", registry, dtype=dtype,
                                         device="cpu")
     model_spec, encoder_spec, tokenizer = binding.model_spec, binding.encoder_spec, binding.tokenizer
-    sentinel_spec = binding.host.get("token_sentinels", model_spec.sentinels)
+    sentinel_spec = binding.registry.get("token_sentinels", model_spec.sentinels)
     sentinel_ids = binding.sentinel_ids
     if sentinel_ids.as_dict() != projector_manifest["sentinel_ids"]:
         raise ValueError(f"{resolved.projector_dir}: the projector was trained with sentinel ids "

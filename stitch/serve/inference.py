@@ -10,7 +10,10 @@ from typing import Any
 
 import torch
 
+from stitch.model.binding import ModelBinding
 from stitch.model.merge import merge_adapter_into_model
+from stitch.plugins.registry import Registry
+from stitch.rollout.prompts import payload_for, prompt_embeddings
 from stitch.runs.checkpoint import latest_step_dir, verify_checksums
 
 
@@ -58,19 +61,19 @@ class Stitched:
     resolved from what the projector artifact records (names, and the local base snapshot the run read, checked
     against its fingerprint), the same one the stages trained with."""
 
-    def __init__(self, checkpoint: Path, engine: str = "embedded", device: str | None = None) -> None:
-        from stitch.model.binding import ModelBinding
-
+    def __init__(self, checkpoint: Path, registry: Registry, engine: str = "embedded",
+                 device: str | None = None) -> None:
         self.checkpoint = resolve_checkpoint(checkpoint)
         manifest = json.loads((self.checkpoint.projector_dir / "manifest.json").read_text())
-        self.binding = ModelBinding.for_artifact(manifest, f"checkpoint {self.checkpoint.step_dir}", device=device)
+        self.binding = ModelBinding.for_artifact(manifest, f"checkpoint {self.checkpoint.step_dir}", registry,
+                                                 device=device)
         lm = self.binding.load_lm()
         self.merged_weights = merge_adapter_into_model(lm, self.checkpoint.adapter_dir)
         lm.eval()
         # the projector artifact's provenance is checked against this binding as it loads
         self.model = self.binding.build_model(lm=lm, projector_from=self.checkpoint.projector_dir,
                                               train_projector=False).eval()
-        self.engine = self.binding.host.get("rollout_engines", engine).factory(
+        self.engine = self.binding.registry.get("rollout_engines", engine).factory(
             lm, pad_id=self.binding.pad_id, eos_id=self.tokenizer.eos_token_id, suppress_ids=self.binding.suppress_ids)
         self._encoder = None
         self._preprocess = None
@@ -110,9 +113,8 @@ class Stitched:
     @torch.no_grad()
     def answer_features(self, features: torch.Tensor, question: str, max_new_tokens: int = 24) -> str:
         """Greedy answer from already-encoded features ``[items, tokens, width]`` (e.g. the feature cache)."""
-        from stitch.rollout.prompts import payload_for, prompt_embeddings
 
-        payload = payload_for(self.binding.host, self.encoder_spec)
+        payload = payload_for(self.binding.registry, self.encoder_spec)
         ids = self.binding.prompt_ids(question, features.shape[0])
         (embeds,) = prompt_embeddings(payload, self.model, [("input", ids, features)])
         (completion,) = self.engine.generate([embeds], 1, max_new_tokens, greedy=True)

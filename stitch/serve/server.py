@@ -21,6 +21,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from stitch.plugins.registry import Registry
+from stitch.serve.inference import Stitched
+
 MAX_REQUEST_BYTES = 32 * 2**20
 MAX_IMAGE_PIXELS = 40_000_000
 
@@ -186,13 +189,12 @@ class ChatHandler(BaseHTTPRequestHandler):
                                                                     "code": "internal_server_error"}})
 
 
-def serve(checkpoint: Path, host: str = "127.0.0.1", port: int = 8000, engine: str = "embedded",
-          model_name: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS,
+def serve(checkpoint: Path, registry: Registry, host: str = "127.0.0.1", port: int = 8000,
+          engine: str = "embedded", model_name: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS,
           ready: Any = None) -> None:
-    """Load ``checkpoint`` once and serve it until interrupted; ``ready(server)`` is called once listening."""
-    from stitch.serve.inference import Stitched
-
-    stitched = Stitched(Path(checkpoint), engine=engine)
+    """Load ``checkpoint`` once (its model, encoder and engine looked up in ``registry``) and serve it until
+    interrupted; ``ready(server)`` is called once listening."""
+    stitched = Stitched(Path(checkpoint), registry, engine=engine)
     name = model_name or stitched.model_spec.name
     server = ChatServer((host, port), stitched, name, max_pixels=max_pixels)
     if ready is not None:

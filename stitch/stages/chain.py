@@ -10,11 +10,27 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from stitch.config.options import STAGE_OPTIONS
 from stitch.config.recipe import Recipe
+from stitch.data.feature_cache import PreparedData
+from stitch.data.prepare import PrepareReport, prepare
+from stitch.demo.data import builtin_parquet
+from stitch.model.binding import ModelBinding
+from stitch.plugins.registry import Registry
+from stitch.rollout.prompts import payload_for
 from stitch.runs.atomic import write_text_atomic
+from stitch.runs.environment import environment
+from stitch.runs.lock import RunLock
+from stitch.serve.inference import Stitched
+from stitch.stages.evaluation import greedy_answers
+from stitch.stages.loop import run_stage
+from stitch.stages.plots import plot_run
+from stitch.stages.registry import STAGES
+from stitch.tasks import check_task, majority_baseline, resolve_task
 
 DEFAULT_STAGES = ("alignment", "sft", "grpo")
 # the checkpoint the chain serves: GRPO's when it ran (it refines SFT), else DPO's, else SFT's
@@ -22,42 +38,40 @@ FINAL_STAGE_ORDER = ("grpo", "dpo", "sft")
 INFERENCE_ROWS = 3
 
 
-def run_chain(recipe: Recipe, out_dir: Path, *, stages: tuple[str, ...] = DEFAULT_STAGES, resume: bool = True,
-              progress: bool = True, zeroed_control: bool = True) -> dict[str, Any]:
+def run_chain(recipe: Recipe, out_dir: Path, *, registry: Registry, stages: tuple[str, ...] = DEFAULT_STAGES,
+              resume: bool = True, progress: bool = True, zeroed_control: bool = True) -> dict[str, Any]:
     """Prepare, run ``stages`` (those the recipe defines; a stage whose summary exists is skipped on re-run),
-    then grade the final checkpoint on the eval partition and answer a few of its rows.
+    then grade the final checkpoint on the eval partition and answer a few of its rows. ``recipe`` is already
+    validated against ``registry`` (``stitch.host.validate``), which every stage and the evaluation look the
+    recipe's names up in.
 
     Returns (and writes as ``summary.json``) ``recipe, model, encoder, task, stages{name: stage summary},
     final_stage, evaluation, inference, seconds, plots``; see ``evaluate_final`` for ``evaluation`` and
     ``inference``.
     """
-    from stitch.config.validate import validate_recipe
-    from stitch.runs.lock import RunLock
-
-    validate_recipe(recipe)  # every stage's options, before any data or weights are touched (or the dir made)
     with RunLock(Path(out_dir), "run"):  # one process per run directory; the stages below re-enter it
-        return _run_chain(recipe, Path(out_dir), stages, resume, progress, zeroed_control)
+        return _run_chain(recipe, registry, Path(out_dir), stages, resume, progress, zeroed_control)
 
 
-def _run_chain(recipe: Recipe, out_dir: Path, stages: tuple[str, ...], resume: bool, progress: bool,
-               zeroed_control: bool) -> dict[str, Any]:
-    from stitch.data.prepare import prepare
-    from stitch.plugins.host import get_host
-    from stitch.stages.loop import run_stage
-    from stitch.stages.plots import plot_run
-    from stitch.stages.registry import STAGES
-    from stitch.tasks import check_task
+def prepare_data(recipe: Recipe, binding: ModelBinding, out_dir: Path, *, encoder: Any = None, device: str = "cpu",
+                 progress: bool = True) -> PrepareReport:
+    """``stitch.data.prepare.prepare`` with what the recipe resolved to: the encoder spec, the tokenizer and the
+    sentinel ids of ``binding``, and the demo's generator for a built-in source."""
+    return prepare(recipe, out_dir, encoder_spec=binding.encoder_spec, tokenizer=binding.tokenizer,
+                   sentinel_ids=binding.sentinel_ids, builtin=builtin_parquet, encoder=encoder, device=device,
+                   progress=progress)
 
-    task = check_task(recipe, get_host())
-    out_dir = Path(out_dir)
+
+def _run_chain(recipe: Recipe, registry: Registry, out_dir: Path, stages: tuple[str, ...], resume: bool,
+               progress: bool, zeroed_control: bool) -> dict[str, Any]:
+    task = check_task(recipe, registry)
     out_dir.mkdir(parents=True, exist_ok=True)
-    from stitch.runs.environment import environment
-
     summary: dict[str, Any] = {"recipe": recipe.name, "model": recipe.model, "encoder": recipe.encoder,
                                "task": task.name, "environment": environment(), "stages": {}}
     t0 = time.perf_counter()
     t = time.perf_counter()
-    report = prepare(recipe, out_dir / "data", progress=progress)
+    binding = ModelBinding.for_recipe(recipe, registry, device="cpu")  # the tokenizer only: no weights load
+    report = prepare_data(recipe, binding, out_dir / "data", progress=progress)
     summary["stages"]["prepare"] = {**_jsonable(report), "seconds": round(time.perf_counter() - t, 2)}
     for stage in STAGES:  # the stage table's order
         if stage not in recipe.stages or stage not in stages:
@@ -66,13 +80,13 @@ def _run_chain(recipe: Recipe, out_dir: Path, stages: tuple[str, ...], resume: b
         if resume and done.is_file():
             summary["stages"][stage] = json.loads(done.read_text())
             continue
-        summary["stages"][stage] = run_stage(recipe, stage, out_dir, progress=progress)
+        summary["stages"][stage] = run_stage(recipe, stage, out_dir, registry=registry, progress=progress)
     final = next((s for s in FINAL_STAGE_ORDER if s in summary["stages"]), None)
     summary["final_stage"] = final
     if final is None:
         summary["evaluation"] = summary["inference"] = None  # alignment alone leaves no adapter to serve
     else:
-        evaluation, inference = evaluate_final(recipe, out_dir, final, zeroed_control=zeroed_control)
+        evaluation, inference = evaluate_final(recipe, registry, out_dir, final, zeroed_control=zeroed_control)
         summary["evaluation"], summary["inference"] = evaluation, inference
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     summary["plots"] = [str(p) for p in plot_run(out_dir, summary)]
@@ -92,8 +106,6 @@ def stage_option(recipe: Recipe, stage: str, key: str, default: Any = None) -> A
 
 def eval_partition(recipe: Recipe, final: str) -> tuple[str | None, int | None]:
     """(partition, rows) the chain grades: the final stage's eval partition, else another stage's."""
-    from stitch.config.options import STAGE_OPTIONS
-
     for stage in (final, *STAGE_OPTIONS):
         if stage not in recipe.stages:
             continue
@@ -103,7 +115,7 @@ def eval_partition(recipe: Recipe, final: str) -> tuple[str | None, int | None]:
     return None, None
 
 
-def evaluate_final(recipe: Recipe, out_dir: Path, final: str, *, zeroed_control: bool = True,
+def evaluate_final(recipe: Recipe, registry: Registry, out_dir: Path, final: str, *, zeroed_control: bool = True,
                    inference_rows: int = INFERENCE_ROWS) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Grade ``final``'s checkpoint, served as inference serves it (adapter merged, the rollout engine), on the
     recipe's eval partition from cached features; answer the first ``inference_rows`` of them.
@@ -113,17 +125,11 @@ def evaluate_final(recipe: Recipe, out_dir: Path, final: str, *, zeroed_control:
     ``inference``: ``{checkpoint, partition, held_out, rows: [{id, question, expected, answer, score}],
     question, expected, answer, score, seconds}`` (the top-level four repeat the first row).
     """
-    from stitch.data.feature_cache import PreparedData
-    from stitch.rollout.prompts import payload_for
-    from stitch.serve.inference import Stitched
-    from stitch.stages.evaluation import greedy_answers
-    from stitch.tasks import majority_baseline, resolve_task
-
     t = time.perf_counter()
-    server = Stitched(out_dir / final / "checkpoints")
-    task = resolve_task(recipe, server.binding.host)
+    server = Stitched(out_dir / final / "checkpoints", registry)
+    task = resolve_task(recipe, registry)
     data = PreparedData(out_dir / "data")
-    payload = payload_for(server.binding.host, server.encoder_spec)
+    payload = payload_for(server.binding.registry, server.encoder_spec)
 
     def answer(rows: list[Any], zero_features: bool = False, batch_size: int = 16) -> list[dict[str, Any]]:
         records = []
@@ -178,7 +184,5 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "as_dict"):
         return value.as_dict()
     if hasattr(value, "__dataclass_fields__"):
-        from dataclasses import asdict
-
         return asdict(value)
     return value

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stitch.model import causal_lm
+from stitch.kernels.attention import causal_lm
+from stitch.model.loading import empty_model, parameters_on_meta
 
 
 def launch_world_size() -> int:
@@ -112,8 +113,6 @@ class DataParallel:
             return self.shard(model)
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        from stitch.model.loading import empty_model, parameters_on_meta
 
         blueprint: list[Any] = [None, None]
         if self.is_main:

@@ -13,11 +13,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stitch.data.collator import tokenize_example
 from stitch.data.packing import Sample, collate_packs
 from stitch.model.scatter import PlaceholderCountError
 from stitch.runs.checkpoint import random_from_json, random_to_json
 from stitch.stages.logprobs import sequence_logprob
-from stitch.stages.loop import Stage, StageContext, run_stage
+from stitch.stages.loop import Stage, StageContext
+from stitch.tasks import resolve_task
 
 
 def preference_pairs(task: Any, rows: list[Any], rng: random.Random, partition: str) -> tuple[list[dict[str, Any]], int]:
@@ -41,8 +43,6 @@ def preference_pairs(task: Any, rows: list[Any], rng: random.Random, partition: 
 
 
 def branch_sample(session: Any, row: Any, answer: str, features: torch.Tensor) -> Sample:
-    from stitch.data.collator import tokenize_example
-
     messages = list(row.messages[:-1]) + [{"role": "assistant", "content": answer}]
     tokens = session.encoder_spec.tokens_per_item
     ids, labels = tokenize_example(session.tokenizer, messages, session.sentinel_ids, tokens,
@@ -92,10 +92,8 @@ class DPOStage(Stage):
         return {"train_projector": False}
 
     def build(self, ctx: StageContext) -> None:
-        from stitch.tasks import resolve_task
-
         opts, session = self.opts, ctx.session
-        self.task = resolve_task(ctx.recipe, session.host)
+        self.task = resolve_task(ctx.recipe, session.registry)
         rows = list(session.data.rows(opts.partition))
         # the pairs are fixed for the run: a generator draws from its own seeded stream, not the data order's
         self.pairs, self.skipped = preference_pairs(self.task, rows, random.Random(f"dpo-pairs-{opts.seed}"),
@@ -156,9 +154,3 @@ class DPOStage(Stage):
             "margin_first": history[0]["margin"] if history else None,
             "margin_last": history[-1]["margin"] if history else None,
         }
-
-
-def train_dpo(recipe: Any, out_dir: Any, *, resume: bool = False, max_steps: int | None = None,
-              progress: bool = True) -> dict[str, Any]:
-    """``run_stage(recipe, "dpo", ...)`` under its former name (stitch.stages.chain still calls it)."""
-    return run_stage(recipe, "dpo", out_dir, resume=resume, max_steps=max_steps, progress=progress)

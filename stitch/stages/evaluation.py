@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from stitch.plugins.specs import TaskSpec
+from stitch.rollout.engines import EmbeddedEngine
+from stitch.rollout.prompts import payload_for, prompt_embeddings
 from stitch.tasks import majority_baseline, resolve_task
 
 
 def recipe_task(session: Any) -> TaskSpec:
-    return resolve_task(session.recipe, session.host)
+    return resolve_task(session.recipe, session.registry)
 
 
 def graded_rows(session: Any, partition: str, task: TaskSpec, limit: int | None = None) -> list[Any]:
@@ -24,8 +26,6 @@ def greedy_answers(payload: Any, model: Any, engine: Any, tokenizer: Any,
                    zero_features: bool = False) -> list[str]:
     """Greedy answers to ``(row_id, prompt token ids, cached features)`` from ``engine``, prompts built through
     ``payload`` (the encoder's rollout payload) and ``model``'s projector."""
-    from stitch.rollout.prompts import prompt_embeddings
-
     embeds = prompt_embeddings(payload, model, prompts, zero_features=zero_features)
     completions = engine.generate(embeds, 1, max_new_tokens, greedy=True)
     return [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
@@ -34,14 +34,11 @@ def greedy_answers(payload: Any, model: Any, engine: Any, tokenizer: Any,
 def generate_answers(session: Any, model: Any, rows: list[Any], max_new_tokens: int = 12,
                      zero_features: bool = False) -> list[str]:
     """Greedy answers of ``model`` to ``rows`` (their cached features; ``zero_features``: zeroed, a control)."""
-    from stitch.rollout.engines import EmbeddedEngine
-    from stitch.rollout.prompts import payload_for
-
     prompts = [(row.id, session.prompt_ids(row.question, row.num_items), session.data.features(row))
                for row in rows]
     engine = EmbeddedEngine(model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id,
                             suppress_ids=list(session.sentinel_ids.as_dict().values()))
-    return greedy_answers(payload_for(session.host, session.encoder_spec), model, engine, session.tokenizer,
+    return greedy_answers(payload_for(session.registry, session.encoder_spec), model, engine, session.tokenizer,
                           prompts, max_new_tokens, zero_features)
 
 

@@ -16,13 +16,15 @@ from typing import Any
 
 import torch
 
-from stitch.config.recipe import RecipeError
+from stitch.config.recipe import Recipe, RecipeError
 from stitch.data.packing import Sample, collate_packs
 from stitch.rollout.engines import sampling_seed
 from stitch.rollout.prompts import payload_for, prompt_embeddings
+from stitch.rollout.ray_rollout import RayRolloutEngine
 from stitch.runs.checkpoint import random_from_json, random_to_json
 from stitch.stages.logprobs import token_logprobs
-from stitch.stages.loop import Stage, StageContext, run_stage
+from stitch.stages.loop import Stage, StageContext
+from stitch.tasks import resolve_task
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -104,7 +106,7 @@ class GRPOStage(Stage):
 
     postfix = ("reward", "kl")
 
-    def check(self, recipe: Any) -> None:
+    def check(self, recipe: Recipe) -> None:
         opts = self.opts
         if opts.train_projector and (opts.schedule != "constant" or opts.warmup_steps):
             raise RecipeError(
@@ -117,16 +119,14 @@ class GRPOStage(Stage):
         return {"train_projector": self.opts.train_projector}
 
     def build(self, ctx: StageContext) -> None:
-        from stitch.tasks import resolve_task
-
         opts, session, model = self.opts, ctx.session, ctx.model
-        self.task = resolve_task(ctx.recipe, session.host)
+        self.task = resolve_task(ctx.recipe, session.registry)
         rows = list(session.data.rows(opts.partition))
         self.rows = [r for r in rows if self.task.takes(r.task_row())]
         if not self.rows:
             raise ValueError(f"grpo: partition {opts.partition!r} has no rows task {self.task.name!r} can reward "
                              f"({len(rows)} rows, none accepted)")
-        self.payload = payload_for(session.host, session.encoder_spec)
+        self.payload = payload_for(session.registry, session.encoder_spec)
         self.rng = random.Random(opts.seed)
         # reference = the warm start: SFT adapter and SFT projector, frozen copies substituted at call time
         self.reference = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -140,15 +140,14 @@ class GRPOStage(Stage):
         common = {"pad_id": binding.pad_id, "eos_id": binding.tokenizer.eos_token_id,
                   "suppress_ids": binding.suppress_ids}
         if opts.placement == "ray":
-            from stitch.rollout.ray_rollout import RayRolloutEngine
-
             self.engine = RayRolloutEngine.for_recipe(ctx.recipe, lm, engine=opts.engine,
-                                                      model=binding.model_spec.name, snapshot=binding.snapshot,
+                                                      model=binding.model_spec.name, registry=binding.registry,
+                                                      snapshot=binding.snapshot,
                                                       base_fingerprint=binding.base_fingerprint, seed=opts.seed,
                                                       **common)
             ctx.cleanup.callback(self.engine.close)
         else:
-            self.engine = binding.host.get("rollout_engines", opts.engine).factory(lm, **common)
+            self.engine = binding.registry.get("rollout_engines", opts.engine).factory(lm, **common)
         if opts.eval_partition and ctx.step == 0:
             self.eval_accuracy_start = ctx.evaluate()
 
@@ -223,9 +222,3 @@ class GRPOStage(Stage):
         if self.eval_accuracy_start is not None:
             out["eval_accuracy_start"] = self.eval_accuracy_start
         return out
-
-
-def train_grpo(recipe: Any, out_dir: Any, *, resume: bool = False, max_steps: int | None = None,
-               progress: bool = True) -> dict[str, Any]:
-    """``run_stage(recipe, "grpo", ...)`` under its former name (stitch.stages.chain still calls it)."""
-    return run_stage(recipe, "grpo", out_dir, resume=resume, max_steps=max_steps, progress=progress)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from stitch.model.cross_entropy import logprobs_from_logits
+from stitch.kernels.cross_entropy import logprobs_from_logits
 
 
 def logits_with(model: Any, params: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:

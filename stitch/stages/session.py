@@ -10,25 +10,29 @@ from typing import Any
 
 import torch
 
+from stitch.config.recipe import Recipe
+from stitch.data.collator import tokenize_example
 from stitch.data.feature_cache import ManifestRow, PreparedData
 from stitch.data.packing import Sample
 from stitch.model.binding import ModelBinding
+from stitch.plugins.registry import Registry
 from stitch.runs.layout import RunLayout
 
 
 @dataclass
 class StitchSession:
-    recipe: Any
+    recipe: Recipe
     layout: RunLayout
     binding: ModelBinding
     data: PreparedData
 
     @classmethod
-    def open(cls, recipe: Any, out_dir: Path, dtype: torch.dtype = torch.float32,
+    def open(cls, recipe: Recipe, out_dir: Path, registry: Registry, dtype: torch.dtype = torch.float32,
              device: str | None = None) -> StitchSession:
-        """Resolve the recipe's registrations and the prepared data before any model weights load."""
+        """Resolve the recipe's registrations in ``registry`` and the prepared data before any model weights
+        load."""
         layout = RunLayout(out_dir)
-        binding = ModelBinding.for_recipe(recipe, dtype=dtype, device=device)
+        binding = ModelBinding.for_recipe(recipe, registry, dtype=dtype, device=device)
         if not layout.manifest.is_file():
             raise FileNotFoundError(
                 f"{layout.manifest} does not exist: run `stitch prepare --recipe {recipe.name} "
@@ -38,8 +42,8 @@ class StitchSession:
 
     # what evaluation and the stages read often, named once here
     @property
-    def host(self) -> Any:
-        return self.binding.host
+    def registry(self) -> Registry:
+        return self.binding.registry
 
     @property
     def model_spec(self) -> Any:
@@ -78,8 +82,6 @@ class StitchSession:
 
     def make_sample(self, record: dict[str, Any]) -> Sample:
         """A manifest record as a training sample: the chat tokenized with its placeholders, and its features."""
-        from stitch.data.collator import tokenize_example
-
         row = ManifestRow.from_json(record, str(self.manifest_path))
         input_ids, labels = tokenize_example(
             self.tokenizer, row.messages, self.sentinel_ids, self.encoder_spec.tokens_per_item, row.num_items,

@@ -16,7 +16,7 @@ import torch
 
 from stitch.data.packing import PackedStream, collate_packs
 from stitch.model.loading import packs_loaded
-from stitch.stages.loop import Stage, StageContext, run_stage
+from stitch.stages.loop import Stage, StageContext
 
 log = logging.getLogger("stitch")
 
@@ -114,9 +114,3 @@ class SFTStage(AlignmentStage):
 
     def model_args(self) -> dict[str, Any]:
         return {"lora": self.opts.lora, "train_projector": self.opts.train_projector}
-
-
-def train_stage(recipe: Any, stage: str, out_dir: Any, *, resume: bool = False, max_steps: int | None = None,
-                progress: bool = True) -> dict[str, Any]:
-    """``run_stage`` under its former name (stitch.stages.chain still calls it)."""
-    return run_stage(recipe, stage, out_dir, resume=resume, max_steps=max_steps, progress=progress)

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from stitch.config.recipe import Recipe
+from stitch.plugins.registry import Registry
 from stitch.plugins.specs import TaskRow, TaskSpec
 
 DEFAULT_TASK = "exact-match"
@@ -25,7 +27,7 @@ class TaskError(ValueError):
     """The recipe's task cannot be resolved; the message names the field, the module or file and the function."""
 
 
-def _task_fields(recipe: Any) -> tuple[str | None, str | None, str | None]:
+def _task_fields(recipe: Recipe) -> tuple[str | None, str | None, str | None]:
     """(name, reward, grade) from ``recipe.task``: None, a name, a mapping or a TaskConfig-like object."""
     task = getattr(recipe, "task", None)
     if task is None:
@@ -36,20 +38,20 @@ def _task_fields(recipe: Any) -> tuple[str | None, str | None, str | None]:
     return get("name"), get("reward"), get("grade")
 
 
-def _where(recipe: Any) -> str:
+def _where(recipe: Recipe) -> str:
     path = getattr(recipe, "path", None)
     return f"recipe {str(path) if path else getattr(recipe, 'name', '?')!r}"
 
 
-def resolve_task(recipe: Any, host: Any) -> TaskSpec:
-    """The TaskSpec of ``recipe.task`` (default ``exact-match``): a task registered in ``host`` (a PluginHost),
+def resolve_task(recipe: Recipe, registry: Registry) -> TaskSpec:
+    """The TaskSpec of ``recipe.task`` (default ``exact-match``): a task registered in ``registry``,
     or a task whose reward (and optional grader) are user functions ``(completion: str, row: TaskRow) -> float``.
     """
     name, reward, grade = _task_fields(recipe)
     if reward is None:
         try:
-            return host.get("tasks", name)
-        except KeyError as exc:  # the host's RegistryLookupError: it lists the registered tasks
+            return registry.get("tasks", name)
+        except KeyError as exc:  # the registry's lookup error: it lists the registered tasks
             raise TaskError(f"{_where(recipe)}: field 'task': {exc}") from exc
     reward_fn = load_function(reward, "task.reward", recipe)
     grade_fn = load_function(grade, "task.grade", recipe) if grade else None
@@ -58,10 +60,10 @@ def resolve_task(recipe: Any, host: Any) -> TaskSpec:
                     + "; DPO pairs from the dataset's rejected column")
 
 
-def check_task(recipe: Any, host: Any) -> TaskSpec:
+def check_task(recipe: Recipe, registry: Registry) -> TaskSpec:
     """``resolve_task`` at load time, plus the contracts the recipe's stages need from the task: DPO needs
     pairs, either from the task's generator or from the dataset's ``rejected`` column."""
-    task = resolve_task(recipe, host)
+    task = resolve_task(recipe, registry)
     stages = getattr(recipe, "stages", {}) or {}
     columns = getattr(getattr(recipe, "data", None), "columns", None)
     if "dpo" in stages and task.rejected is None and getattr(columns, "rejected", None) is None:
@@ -73,7 +75,7 @@ def check_task(recipe: Any, host: Any) -> TaskSpec:
     return task
 
 
-def load_function(target: str, field: str, recipe: Any = None) -> Callable[[str, TaskRow], float]:
+def load_function(target: str, field: str, recipe: Recipe | None = None) -> Callable[[str, TaskRow], float]:
     """The function named by ``module:function`` or ``path/to/file.py:function`` (a relative file is found
     from the recipe's directory); refused naming ``field``, the module or file and the function."""
     where = (f"{_where(recipe)}: " if recipe is not None else "") + f"field {field!r} = {target!r}"
@@ -107,7 +109,7 @@ def load_function(target: str, field: str, recipe: Any = None) -> Callable[[str,
     return fn
 
 
-def _module_from_file(spec_path: str, where: str, recipe: Any) -> Any:
+def _module_from_file(spec_path: str, where: str, recipe: Recipe | None) -> Any:
     path = Path(spec_path).expanduser()
     if not path.is_absolute():
         recipe_path = getattr(recipe, "path", None)

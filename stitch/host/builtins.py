@@ -1,21 +1,25 @@
 """What the core registers itself: projectors, rollout engines, the generic tasks, and the demo package's
-recipes and tasks (imported only when the registries are collected)."""
+recipes and tasks."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
+from stitch.demo.colors import COLOR_NAMING
+from stitch.demo.counting import COUNTING
+from stitch.model.projector import PROJECTORS
 from stitch.plugins.hookspecs import hookimpl
-from stitch.plugins.specs import RecipeSpec
+from stitch.plugins.specs import RecipeSpec, RolloutEngineSpec
+from stitch.rollout.engines import EmbeddedEngine
+from stitch.rollout.vllm_engine import vllm_engine_factory
+from stitch.tasks.generic import CONTAINS, EXACT_MATCH
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "demo" / "recipes"
 
 
 @hookimpl
 def register_projectors(register):
-    from stitch.model.projector import PROJECTORS
-
     for spec in PROJECTORS:
         register(spec)
 
@@ -29,26 +33,17 @@ def register_recipes(register):
 
 @hookimpl
 def register_rollout_engines(register):
-    from stitch.plugins.specs import RolloutEngineSpec
-    from stitch.rollout.engines import EmbeddedEngine
-
     register(RolloutEngineSpec(
         "embedded", EmbeddedEngine,
         "the live policy from prompt embeddings: fixed KV cache + CUDA-graph decode steps where the model allows "
         "(attention-only Qwen/Llama on a GPU), transformers generate(inputs_embeds=...) elsewhere",
     ))
     if importlib.util.find_spec("vllm") is not None:  # vLLM itself is imported only when the engine is built
-        from stitch.rollout.vllm_engine import vllm_engine_factory
-
         register(RolloutEngineSpec("vllm", vllm_engine_factory, "vLLM in-process: prompt embeddings, merged "
                                    "weights refit in place (enable_prompt_embeds)"))
 
 
 @hookimpl
 def register_tasks(register):
-    from stitch.demo.colors import COLOR_NAMING
-    from stitch.demo.counting import COUNTING
-    from stitch.tasks.generic import CONTAINS, EXACT_MATCH
-
     for spec in (EXACT_MATCH, CONTAINS, COUNTING, COLOR_NAMING):
         register(spec)

@@ -76,8 +76,8 @@ def liger_chunk_budget(tokens: int, hidden: int, vocab: int, rows: int | None = 
 
     liger sizes a chunk so that its logits take ``chunk_mem_const`` times the hidden states' memory: at its default
     of 1 that is ``tokens / ceil(vocab / hidden)`` rows, 32 for Qwen3.5's 248,320-word vocabulary at ~2,000
-    labelled tokens, and each chunk is then a skinny GEMM over the whole vocabulary. On the H200 those 62 calls a
-    step ran on 32-wide cuBLAS tiles: ~38 ms of a 194 ms packed Qwen3.5-4B step (BENCHMARKS.md §0i). This budget
+    labelled tokens, and each chunk is then a skinny GEMM over the whole vocabulary: on a Hopper GPU those 62 calls
+    a step run on 32-wide cuBLAS tiles, about a fifth of a packed Qwen3.5-4B step. This budget
     asks for chunks of ``rows`` instead (liger rounds to a power of two), the same size as the chunked path's."""
     rows = CHUNK_TOKENS if rows is None else rows
     return max(1, -(-vocab * min(rows, tokens) // (hidden * max(tokens, 1))))

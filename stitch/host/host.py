@@ -258,7 +258,9 @@ def load_plugins(
     match either the entry-point name or the distribution name. A plugin that fails to import is recorded
     in ``host.failures`` with its error; the others still load.
     """
-    from stitch.plugins import builtins
+    from stitch.host import (
+        builtins,  # torch-backed modules: imported when plugins load, not when the CLI starts
+    )
 
     host = PluginHost()
     host._add(builtins, PluginInfo(BUILTIN_NAME, "stitch-lm", __version__, builtin=True))

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stitch.model.graphs import static_block
+from stitch.kernels.graphs import static_block
 
 HALF = (torch.bfloat16, torch.float16)
 

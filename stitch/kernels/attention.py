@@ -19,7 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stitch.model import causal_lm
+
+def causal_lm(lm: Any) -> Any:
+    """The transformers model inside a peft wrapper (``get_base_model``), or ``lm`` itself when it has none."""
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
 
 log = logging.getLogger("stitch")
 

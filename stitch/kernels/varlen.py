@@ -1,6 +1,6 @@
 """Sample boundaries for packed rows in recurrent layers: the pieces every hybrid model binding shares.
 
-Attention layers keep packed samples apart through ``stitch_varlen`` (``stitch.model.attention``), which
+Attention layers keep packed samples apart through ``stitch_varlen`` (``stitch.kernels.attention``), which
 ``StitchedModel`` feeds these same sample starts. Recurrent layers (Gated DeltaNet, Mamba-2) and their short causal convolutions need the sample starts
 (``cu_seqlens``) instead, and fla's varlen kernels take them for one flattened row. This module finds whether fla's
 kernels run here, turns position ids into ``cu_seqlens``, flattens packed rows into one for a decoder, and runs a

@@ -1,7 +1,7 @@
 """CUDA graphs for the shape-static blocks of a training step.
 
 A packed SFT step on a 4B model is paced by the host: ~4,100 kernel launches and ~20,000 dispatched operators a
-step for ~130-160 ms of device work (BENCHMARKS.md §0s). Packing makes a step's shapes static (every step is
+step for ~130-160 ms of device work. Packing makes a step's shapes static (every step is
 ``rows x token_budget`` tokens), so a block whose work depends only on its input's shape (a plain LoRA layer: two
 casts and three GEMMs forward, seven launches backward; an MLP; a Gated DeltaNet's four input projections) can be
 captured once and replayed: one copy and one graph launch forward, one copy, one graph launch and a copy per
@@ -228,7 +228,7 @@ class Layout:
         entries = [(s, n, p) for m in modules for s in m.modules() for n, p in s.named_parameters(recurse=False)
                    if p.requires_grad]
         self.owners = {id(p): (s, n) for s, n, p in entries}
-        # stitch.model.precision's one-node LoRA layers, known by their plain_adapter()
+        # stitch.kernels.precision's one-node LoRA layers, known by their plain_adapter()
         self.loras = [s for m in modules for s in m.modules() if callable(getattr(s, "plain_adapter", None))]
         self.watched = [*modules, *self.loras, *(lora.base_layer for lora in self.loras)]
         unswitched = any(hasattr(s, "lora_A") and hasattr(s, "active_adapters") and s not in self.loras

@@ -1,0 +1,34 @@
+"""The recipe checks that need the installed plugins: registered model, encoder, projector, sentinels and task,
+and a pack that holds at least one media block; then the parallel layout's arithmetic (``stitch.config.validate``)."""
+
+from __future__ import annotations
+
+from stitch.config.options import StageOptions
+from stitch.config.recipe import Recipe, RecipeError
+from stitch.config.validate import check_parallel, fail
+from stitch.plugins.registry import Registry
+from stitch.tasks import TaskError, check_task
+
+PACKED_STAGES = ("alignment", "sft")  # stages whose options carry a token_budget
+
+
+def validate_recipe(recipe: Recipe, host: Registry) -> dict[str, StageOptions]:
+    """The recipe's stages (name -> typed options) once everything it names is registered in ``host`` and its
+    layout adds up; raises naming the field at fault."""
+    model = host.get("models", recipe.model)
+    encoder = host.get("encoders", recipe.encoder)
+    host.get("projectors", recipe.projector)
+    host.get("token_sentinels", model.sentinels)
+    try:  # the task's reward/grader import and its DPO pair source, before any data or weights
+        check_task(recipe, host)
+    except TaskError as exc:
+        raise RecipeError(str(exc)) from exc
+    # a sample holds at least one media block: start + placeholders + end
+    floor = encoder.tokens_per_item + 2
+    for stage in PACKED_STAGES:
+        opts = recipe.stages.get(stage)
+        if opts is not None and opts.token_budget < floor:
+            fail(recipe, f"field 'stages.{stage}.token_budget': expected at least {floor} "
+                          f"({encoder.tokens_per_item} soft tokens + 2 sentinels), got {opts.token_budget}")
+    check_parallel(recipe, recipe.stages)
+    return dict(recipe.stages)
