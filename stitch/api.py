@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stitch.config.recipe import shipped_recipes
-from stitch.data.shared_slots import SlotBytes
+from stitch.kernels.shared_slots import SlotBytes
 from stitch.model.automodel import automodel_backend
 from stitch.model.graphs import drop_graphs, static_block
 from stitch.model.precision import shared_input_projections

@@ -112,13 +112,13 @@ def probe_recipe(path: Path, **overrides: Any) -> Any:
 @pytest.fixture(scope="module")
 def probe_run(tmp_path_factory):
     """A run directory whose data/ was prepared by the probe encoder (through the core's prepare)."""
-    from stitch.data.prepare import prepare
+    from stitch_testing import prepare_resolved
 
     root = tmp_path_factory.mktemp("probe-run")
     host = load_plugins(extra={"probe": plugin(register_encoders=[PROBE_ENCODER],
                                                register_rollout_payloads=[PROBE_PAYLOAD])})
     LOADED.clear()
-    report = prepare(probe_recipe(root / "probe.yaml"), root / "run" / "data", host=host, progress=False)
+    report = prepare_resolved(probe_recipe(root / "probe.yaml"), root / "run" / "data", host=host, progress=False)
     return root / "run", report, list(LOADED)
 
 

@@ -1,0 +1,1 @@
+"""How stitch is made fast: decode workers, shared slots, kernels; behind narrow seams, below data/ and model/."""
