@@ -249,7 +249,7 @@ def test_hub_rows_must_carry_bytes_and_a_string_or_dict_path_is_refused(hostile,
          "question": "What?", "answer": "red"},
     ]
     # the hub is out of reach in tests: the stream stands in for load_dataset(..., streaming=True) of a hub id
-    monkeypatch.setattr(prep, "open_stream", lambda source, cache: iter(rows))
+    monkeypatch.setattr(prep, "open_stream", lambda source, cache, builtin: iter(rows))
     source = {"hub": "someone/images", "revision": "0" * 40}
     recipe = load_recipe(hostile_recipe(hostile, name="hub", source=source, partitions={"alignment": [0, 1]},
                                         scan_cap=4))
