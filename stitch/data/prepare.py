@@ -1,14 +1,6 @@
-"""Preparation: stream a dataset, check every row once, run the frozen encoder once per row, keep features + text.
-
-The feature cache is tokenizer-neutral (the encoder's features do not depend on the LM), but the rows it admits
-are not: each row's media values are normalised and confined to the dataset, and its conversation is tokenized
-exactly as training will tokenize it, with the recipe's model tokenizer and sentinels, so a row that would
-stop training is skipped or refused here, named, before any encoding.
-
-Shards are content-addressed by their inputs (encoder identity, dtype, and the hash of every media item),
-written atomically, and looked up before encoding: a re-run encodes nothing, and a killed run resumes
-without redoing the shards it finished.
-"""
+"""Preparation: stream a dataset, check every row once (its text tokenized as training will tokenize it, its media
+confined to the dataset), encode each row's media once into content-addressed feature shards, and write the
+manifest and report; a re-run encodes nothing, and a killed run resumes from the shards it finished."""
 
 from __future__ import annotations
 
