@@ -6,9 +6,9 @@ Each has a reference path it must equal; the names here are stable, their homes 
 
 from __future__ import annotations
 
-from stitch.data.shared_slots import SlotBytes
 from stitch.kernels.graphs import drop_graphs, static_block
 from stitch.kernels.precision import shared_input_projections
+from stitch.kernels.shared_slots import SlotBytes
 from stitch.kernels.varlen import (
     fla_conv,
     fla_kernels_importable,

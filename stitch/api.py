@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from stitch.config.recipe import shipped_recipes
-from stitch.data.shared_slots import SlotBytes  # noqa: F401  (stitch_clip imports it here; see stitch.accel)
 from stitch.host.host import load_plugins
 from stitch.model.automodel import automodel_backend
 from stitch.model.snapshots import shrink_layer_pattern, write_random_weights

@@ -34,15 +34,14 @@ def host():
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, stitch_cache):
     """A small prepared run directory (the demo base, tiny CLIP) with a finished alignment stage."""
-    from stitch_testing import write_recipe
+    from stitch_testing import prepare_resolved, write_recipe
 
     from stitch.config.recipe import load_recipe
-    from stitch.data.prepare import prepare
     from stitch.stages.loop import run_stage
 
     root = tmp_path_factory.mktemp("prepared")
     recipe = load_recipe(write_recipe(root / "small.yaml"))
-    prepare(recipe, root / "run" / "data", progress=False)
+    prepare_resolved(recipe, root / "run" / "data", progress=False)
     run_stage(recipe, "alignment", root / "run", progress=False, registry=get_host())
     return root
 

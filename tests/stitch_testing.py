@@ -102,3 +102,23 @@ class DeviceReads(TorchDispatchMode):
             if not any(marker in "".join(stack) for marker in self.ignore):
                 self.found.append(f"{op} at {stack[-3].strip()}")
         return func(*args, **(kwargs or {}))
+
+
+def prepare_inputs(recipe: Any, host: Any = None) -> dict[str, Any]:
+    """What ``prepare`` takes beside the recipe, resolved from the plugin host as the CLI resolves it: the encoder's
+    registration, the model's tokenizer and sentinel ids (no LM weights load), the builtin-source materialiser."""
+    from stitch.demo.data import builtin_parquet
+    from stitch.host.host import get_host
+    from stitch.model.binding import ModelBinding
+
+    host = get_host() if host is None else host
+    binding = ModelBinding.for_recipe(recipe, host, device="cpu")
+    return {"encoder_spec": binding.encoder_spec, "tokenizer": binding.tokenizer,
+            "sentinel_ids": binding.sentinel_ids, "builtin": builtin_parquet}
+
+
+def prepare_resolved(recipe: Any, out_dir: Path | str, host: Any = None, **kwargs: Any) -> Any:
+    """``stitch.data.prepare.prepare`` with its plugin inputs resolved from ``host`` (``prepare_inputs``)."""
+    from stitch.data.prepare import prepare
+
+    return prepare(recipe, out_dir, **prepare_inputs(recipe, host), **kwargs)

@@ -18,10 +18,11 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
 from stitch.data.feature_cache import PreparedData
-from stitch.data.prepare import REPORT_NAME, PrepareError, prepare
+from stitch.data.prepare import REPORT_NAME, PrepareError
 from stitch.host.host import get_host
 
 pytest.importorskip("stitch_clip", reason="the tiny CLIP encoder comes from the stitch-clip plugin")
@@ -169,7 +170,7 @@ def _report(out: Path) -> dict:
 def test_report_accounts_for_every_hostile_row_as_prepared_or_skipped_with_its_reason(hostile, host_module, clip,
                                                                                     model, tmp_path):
     recipe = load_recipe(hostile_recipe(hostile, model=model))
-    report = prepare(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
     on_disk = _report(tmp_path / "data")
     assert {s["id"]: s["kind"] for s in on_disk["skipped"]} == EXPECTED_SKIPS
     data = PreparedData(tmp_path / "data")
@@ -188,7 +189,7 @@ def test_prepared_hostile_rows_train_a_few_alignment_steps(hostile, host_module,
     from stitch.stages.loop import run_stage
 
     recipe = load_recipe(hostile_recipe(hostile))
-    prepare(recipe, tmp_path / "run" / "data", host=host_module, encoder=clip, progress=False)
+    prepare_resolved(recipe, tmp_path / "run" / "data", host=host_module, encoder=clip, progress=False)
     summary = run_stage(recipe, "alignment", tmp_path / "run", progress=False, registry=get_host())
     assert summary["steps"] == 2 and summary["loss_first"] is not None
     assert (tmp_path / "run" / "alignment" / "checkpoints" / "step_2" / "projector").is_dir()
@@ -197,7 +198,7 @@ def test_prepared_hostile_rows_train_a_few_alignment_steps(hostile, host_module,
 def test_a_media_column_mixing_strings_lists_and_dicts_prepares_with_plain_unquoted_paths(hostile, host_module,
                                                                                         clip, tmp_path):
     recipe = load_recipe(hostile_recipe(hostile, partitions={"alignment": [0, 3]}, scan_cap=3))
-    report = prepare(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
     assert report.skipped == [] and report.total_rows == 3
     rows = {row.id: row for row in PreparedData(tmp_path / "data").rows()}
     assert [rows[i].num_items for i in ("sentinels-str", "sentinels-list", "dict-path")] == [1, 2, 1]
@@ -217,7 +218,7 @@ def test_a_path_leaving_the_dataset_directory_is_refused_naming_row_column_and_p
                                         source={"path": str(ds / f"only-{row_id}.jsonl"), "format": "json"},
                                         partitions={"alignment": [0, 1]}, scan_cap=1))
     with pytest.raises(PrepareError) as err:
-        prepare(recipe, tmp_path / "data", host=host_module, progress=False)
+        prepare_resolved(recipe, tmp_path / "data", host=host_module, progress=False)
     message = str(err.value)
     assert f"row {row_id!r} (stream position 0), column 'image'" in message
     assert fragment in message and repr(row["image"]) in message and "data.allow_paths_outside" in message
@@ -231,7 +232,7 @@ def test_allow_paths_outside_admits_absolute_dotdot_and_symlinked_paths(hostile,
     source = {"path": str(ds / "outside-only.jsonl"), "format": "json"}
     recipe = load_recipe(hostile_recipe(hostile, name="outside", source=source, partitions={"alignment": [0, 3]},
                                         scan_cap=3, allow_paths_outside=True))
-    report = prepare(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
     assert report.skipped == [] and report.total_rows == 3
 
 
@@ -249,11 +250,11 @@ def test_hub_rows_must_carry_bytes_and_a_string_or_dict_path_is_refused(hostile,
          "question": "What?", "answer": "red"},
     ]
     # the hub is out of reach in tests: the stream stands in for load_dataset(..., streaming=True) of a hub id
-    monkeypatch.setattr(prep, "open_stream", lambda source, cache: iter(rows))
+    monkeypatch.setattr(prep, "open_stream", lambda source, cache, builtin: iter(rows))
     source = {"hub": "someone/images", "revision": "0" * 40}
     recipe = load_recipe(hostile_recipe(hostile, name="hub", source=source, partitions={"alignment": [0, 1]},
                                         scan_cap=4))
-    report = prepare(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
     assert [row.id for row in PreparedData(tmp_path / "data").rows()] == ["bytes"]
     assert {s["id"]: s["kind"] for s in report.skipped} == dict.fromkeys(
         ["hub-style-path", "hub-absolute-path", "hub-dict-path"], "path-not-allowed")
@@ -275,7 +276,7 @@ def test_a_row_whose_prompt_would_not_collate_is_skipped_at_prepare_and_every_ad
 
     _tokenizer_that_reads_sentinel_text_as_control_tokens(monkeypatch)
     recipe = load_recipe(hostile_recipe(hostile, partitions={"alignment": [0, 9]}))
-    report = prepare(recipe, tmp_path / "run" / "data", host=host_module, encoder=clip, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "run" / "data", host=host_module, encoder=clip, progress=False)
     bad = {s["id"]: s for s in report.skipped if s["kind"] == "prompt"}
     assert sorted(bad) == ["sentinels-list", "sentinels-str"]
     assert bad["sentinels-str"]["column"] == "question" and bad["sentinels-str"]["position"] == 0
@@ -292,7 +293,7 @@ def test_a_row_that_cannot_collate_in_training_is_named_by_its_row_id(hostile, h
     from stitch.stages.session import StitchSession
 
     recipe = load_recipe(hostile_recipe(hostile, partitions={"alignment": [0, 2]}, scan_cap=2))
-    prepare(recipe, tmp_path / "run" / "data", host=host_module, encoder=clip, progress=False)
+    prepare_resolved(recipe, tmp_path / "run" / "data", host=host_module, encoder=clip, progress=False)
     _tokenizer_that_reads_sentinel_text_as_control_tokens(monkeypatch)  # the tokenizer changed after prepare
     session = StitchSession.open(recipe, tmp_path / "run", device="cpu", registry=get_host())
     record = json.loads(session.manifest_path.open().readline())
@@ -303,7 +304,7 @@ def test_a_row_that_cannot_collate_in_training_is_named_by_its_row_id(hostile, h
 def test_a_row_over_its_stages_token_budget_is_skipped_at_prepare_naming_expected_and_actual(hostile, host_module,
                                                                                            clip, tmp_path):
     recipe = load_recipe(hostile_recipe(hostile))
-    report = prepare(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
     (long,) = [s for s in report.skipped if s["id"] == "long-question"]
     assert long["kind"] == "too-long" and long["column"] == "question"
     tokens = int(long["reason"].split(" tokens")[0])
@@ -315,7 +316,7 @@ def test_too_few_valid_rows_error_groups_skip_reasons_with_counts_and_first_ids_
         hostile, host_module, clip, tmp_path):
     recipe = load_recipe(hostile_recipe(hostile, partitions={"alignment": [0, len(PREPARED) + 1]}))
     with pytest.raises(PrepareError) as err:
-        prepare(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
+        prepare_resolved(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
     message = str(err.value)
     assert f"found {len(PREPARED)} valid rows" in message
     assert "corrupt-media: 3 (rows 'truncated', 'zero-byte', 'not-an-image')" in message
@@ -342,7 +343,7 @@ def test_a_hub_snapshot_in_the_hf_cache_prepares_through_its_symlinks_into_blobs
     os.symlink("../../blobs/rows-blob", snapshot / "rows.jsonl")
     recipe = load_recipe(hostile_recipe(tmp_path, name="snapshot", partitions={"alignment": [0, 1]}, scan_cap=1,
                                         source={"path": str(snapshot / "rows.jsonl"), "format": "json"}))
-    report = prepare(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "data", host=host_module, encoder=clip, progress=False)
     assert report.skipped == [] and report.total_rows == 1
 
 

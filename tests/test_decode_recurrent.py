@@ -35,9 +35,9 @@ def family_lm(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32
     wrapped as GRPO's policy is (StitchedModel switches attention to stitch_varlen)."""
     from peft import LoraConfig, get_peft_model
 
+    from stitch.host.host import load_plugins
     from stitch.model.loading import load_model
     from stitch.model.stitched import StitchedModel
-    from stitch.host.host import load_plugins
 
     spec = load_plugins().get("models", name)
     lm = load_model(spec, dtype=dtype).to(device)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
-from stitch.data.prepare import prepare, preprocess_for
+from stitch.data.prepare import preprocess_for
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
@@ -23,7 +24,9 @@ from test_prepare import dir_snapshot  # noqa: E402
 from test_prepare_fast import photo_bytes  # noqa: E402
 
 import stitch_clip.encoder as clip_encoder  # noqa: E402
-from stitch_clip.encoder import ClipDeviceGeometry, ClipGeometry, JpegItem  # noqa: E402
+import stitch_clip.nvjpeg as nvjpeg  # noqa: E402
+from stitch_clip.encoder import ClipGeometry  # noqa: E402
+from stitch_clip.nvjpeg import ClipDeviceGeometry, JpegItem  # noqa: E402
 
 GEOMETRY = ClipGeometry(224, (224, 224), 3)  # CLIP's: shortest edge 224, centre crop 224, bicubic
 SIZES = [(640, 427), (427, 640), (500, 375), (224, 300), (301, 224), (640, 640), (300, 229)]
@@ -79,8 +82,8 @@ def test_the_closed_form_resize_weights_are_torchs_antialiased_filter_rounded_to
     cases = [(480, 224, 0), (640, 298, 37), (224, 224, 0), (100, 224, 0), (57, 224, 0), (4000, 224, 0),
              (225, 224, 0), (427, 320, 48), (1000, 999, 387)]
     size = max(n_in for n_in, _, _ in cases) + 3
-    taps = 2 * int(np.ceil(clip_encoder.AA_HALF_WIDTH[resample] * max(n / o for n, o, _ in cases))) + 1
-    got = clip_encoder.resize_weights(torch.tensor(cases), 224, size, taps, resample)
+    taps = 2 * int(np.ceil(nvjpeg.AA_HALF_WIDTH[resample] * max(n / o for n, o, _ in cases))) + 1
+    got = nvjpeg.resize_weights(torch.tensor(cases), 224, size, taps, resample)
     assert got.shape == (len(cases), 224, size) and got.dtype == torch.float32
     for (n_in, n_out, start), weights in zip(cases, got, strict=True):
         eye = torch.eye(n_in, dtype=torch.float64)[None, None]
@@ -198,7 +201,7 @@ def test_a_jpeg_nvjpeg_refuses_goes_through_the_cpu_geometry_and_the_rest_of_its
         monkeypatch, tmp_path, held):
     """Whether a JPEG's bytes came with its row, stay in its file, or arrived in a decode worker's shared slot
     (a view of the ring: ``hand_over`` then ``take_over``)."""
-    from stitch.data.shared_slots import SharedSlots
+    from stitch.kernels.shared_slots import SharedSlots
 
     geometry = device_geometry(monkeypatch)
     raws = [photo_bytes(w, h, "JPEG", seed=i) for i, (w, h) in enumerate(SIZES[:3])]
@@ -317,7 +320,7 @@ def test_prepare_through_the_device_path_encodes_what_device_batch_makes_with_or
         out = tmp_path / f"out{workers}-{slots}"
         monkeypatch.setattr(prep, "media_slots", media_slots if slots else lambda *args: None)
         arrived.clear()
-        report = prepare(jpeg_recipe(tmp_path, workers), out, host=host, progress=False)
+        report = prepare_resolved(jpeg_recipe(tmp_path, workers), out, host=host, progress=False)
         assert report.rows == {"train": 10} and report.media_chunks == {"shared_slot": chunks, "own_segment": 0}
         assert arrived == [data] * 10, (workers, slots, arrived)
         outs.append(out)
@@ -333,7 +336,7 @@ def test_prepare_through_the_device_path_encodes_what_device_batch_makes_with_or
     torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=1e-5)
 
     cpu_out = tmp_path / "out-cpu"
-    prepare(jpeg_recipe(tmp_path, 0, "cpu"), cpu_out, host=host, progress=False)
+    prepare_resolved(jpeg_recipe(tmp_path, 0, "cpu"), cpu_out, host=host, progress=False)
     device_shards = {p.name for p in outs[0].rglob("*.safetensors")}
     cpu_shards = {p.name for p in cpu_out.rglob("*.safetensors")}
     assert len(cpu_shards) == len(device_shards) == 3 and cpu_shards.isdisjoint(device_shards)
@@ -364,7 +367,7 @@ def recorded_device_run(tmp_path, host, monkeypatch, hold_encoder_until: str):
     monkeypatch.setattr(clip_encoder.ClipImageEncoder, "warm_up",
                         lambda self, batch_size: held.append(begun[hold_encoder_until].wait(20)))
     jpeg_rows(tmp_path, 10)
-    prepare(jpeg_recipe(tmp_path, 1), tmp_path / "out", host=host, progress=False)
+    prepare_resolved(jpeg_recipe(tmp_path, 1), tmp_path / "out", host=host, progress=False)
     assert geometry._checked
     return events, held
 
@@ -408,4 +411,4 @@ def test_on_a_gpu_nvjpeg_pixels_stay_near_the_workers_and_its_features_near_thei
     encoder = spec.load(spec.source, "cuda", torch.float32)
     a, b = encoder.encode(got.cuda()).flatten(1), encoder.encode(cpu.cuda()).flatten(1)
     assert float(F.cosine_similarity(a, b).min()) > 0.995
-    assert clip_encoder.device_decodable(raws[0])
+    assert nvjpeg.device_decodable(raws[0])

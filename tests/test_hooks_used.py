@@ -113,13 +113,13 @@ def probe_recipe(path: Path, **overrides: Any) -> Any:
 @pytest.fixture(scope="module")
 def probe_run(tmp_path_factory):
     """A run directory whose data/ was prepared by the probe encoder (through the core's prepare)."""
-    from stitch.data.prepare import prepare
+    from stitch_testing import prepare_resolved
 
     root = tmp_path_factory.mktemp("probe-run")
     host = load_plugins(extra={"probe": plugin(register_encoders=[PROBE_ENCODER],
                                                register_rollout_payloads=[PROBE_PAYLOAD])})
     LOADED.clear()
-    report = prepare(probe_recipe(root / "probe.yaml"), root / "run" / "data", host=host, progress=False)
+    report = prepare_resolved(probe_recipe(root / "probe.yaml"), root / "run" / "data", host=host, progress=False)
     return root / "run", report, list(LOADED)
 
 
@@ -427,7 +427,7 @@ def test_stitch_api_exports_no_kernel_and_stitch_accel_only_kernels():
 
     assert set(stitch.accel.__all__) & set(stitch.api.__all__) == set()
     homes = {name: getattr(stitch.accel, name).__module__ for name in stitch.accel.__all__}
-    assert all(home.startswith(("stitch.kernels.", "stitch.data.shared_slots")) for home in homes.values()), homes
+    assert all(home.startswith("stitch.kernels.") for home in homes.values()), homes
 
 
 def test_the_import_walk_catches_a_core_import_inside_a_function(tmp_path):

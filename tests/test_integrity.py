@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from stitch_testing import write_recipe
+from stitch_testing import prepare_resolved, write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.data.feature_cache import FeatureCacheError, PreparedData, shard_digest_path
-from stitch.data.prepare import prepare
 
 
 @pytest.fixture
@@ -19,7 +18,7 @@ def prepared_small(tmp_path):
         tmp_path / "r.yaml", data__source__rows=12, data__source__caption_rows=0, data__scan_cap=16,
         data__partitions={"alignment": [0, 4], "train": [4, 8], "eval": [8, 10], "grpo": [10, 12]}))
     out = tmp_path / "run" / "data"
-    prepare(recipe, out, progress=False)
+    prepare_resolved(recipe, out, progress=False)
     return recipe, out
 
 
@@ -53,7 +52,7 @@ def test_a_tampered_shard_is_refused_when_prepare_would_reuse_it(prepared_small)
     shard = next((out / "feature-cache").glob("*.safetensors"))
     _tamper(shard)
     with pytest.raises(FeatureCacheError, match=rf"{shard.name} was modified"):
-        prepare(recipe, out, progress=False)
+        prepare_resolved(recipe, out, progress=False)
 
 
 def test_every_checkpoint_records_the_sha256_of_each_file_it_wrote(sft_run):

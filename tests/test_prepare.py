@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
 from stitch.data.feature_cache import CACHE_DIRNAME, MANIFEST_NAME, PreparedData
-from stitch.data.prepare import BudgetExceeded, PrepareError, prepare
+from stitch.data.prepare import BudgetExceeded, PrepareError
 
 pytest.importorskip("stitch_clip", reason="the tiny CLIP encoder comes from the stitch-clip plugin")
 
@@ -84,7 +85,7 @@ def dir_snapshot(root: Path) -> dict[str, bytes]:
 
 def test_prepare_writes_manifest_rows_with_features_text_and_provenance(tmp_path, clip, host_module):
     recipe = load_recipe(write_recipe(tmp_path))
-    report = prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
     assert report.rows == {"alignment": 12, "train": 24, "grpo": 12}
     data = PreparedData(tmp_path / "out")
     rows = list(data.rows())
@@ -114,7 +115,7 @@ def test_prepare_writes_manifest_rows_with_features_text_and_provenance(tmp_path
 @pytest.mark.parametrize("dtype,elt", [("float16", 2), ("float32", 4)])
 def test_retained_bytes_per_row_stay_within_5_percent_of_the_feature_payload(tmp_path, host_module, dtype, elt):
     recipe = load_recipe(write_recipe(tmp_path, feature_dtype=dtype, budgets={"transient_mib": 64, "retained_mib": 32}))
-    report = prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "out", host=host_module, progress=False)
     payload = TOKENS * WIDTH * elt
     on_disk = sum(p.stat().st_size for p in (tmp_path / "out" / CACHE_DIRNAME).iterdir())
     on_disk += (tmp_path / "out" / MANIFEST_NAME).stat().st_size
@@ -125,10 +126,10 @@ def test_retained_bytes_per_row_stay_within_5_percent_of_the_feature_payload(tmp
 
 def test_rerun_reuses_every_shard_without_calling_the_encoder(tmp_path, clip, host_module):
     recipe = load_recipe(write_recipe(tmp_path))
-    first = prepare(recipe, tmp_path / "out", host=host_module, encoder=CountingEncoder(clip), progress=False)
+    first = prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=CountingEncoder(clip), progress=False)
     before = dir_snapshot(tmp_path / "out")
     again = CountingEncoder(clip)
-    second = prepare(recipe, tmp_path / "out", host=host_module, encoder=again, progress=False)
+    second = prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=again, progress=False)
     assert again.calls == 0
     assert (second.shards_encoded, second.shards_reused) == (0, first.shards_encoded)
     assert dir_snapshot(tmp_path / "out") == before
@@ -138,28 +139,28 @@ def test_a_rerun_removes_temp_files_a_killed_writer_left_including_safetensors_o
     # safetensors >= 0.8 writes to a .tmpXXXXXX file beside the target and renames it; a SIGKILL mid-write leaves
     # it behind, under a name that is not stitch's own .tmp-<pid>-<shard>
     recipe = load_recipe(write_recipe(tmp_path))
-    prepare(recipe, tmp_path / "out", host=host_module, encoder=CountingEncoder(clip), progress=False)
+    prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=CountingEncoder(clip), progress=False)
     before = dir_snapshot(tmp_path / "out")
     cache = tmp_path / "out" / CACHE_DIRNAME
     (cache / ".tmpB9tdK3").write_bytes(b"half a shard")
     (cache / f".tmp-{os.getpid()}-0123.safetensors").write_bytes(b"half another")
-    prepare(recipe, tmp_path / "out", host=host_module, encoder=CountingEncoder(clip), progress=False)
+    prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=CountingEncoder(clip), progress=False)
     assert dir_snapshot(tmp_path / "out") == before
 
 
 def test_interrupted_prepare_resumes_without_reencoding_finished_shards(tmp_path, clip, host_module):
     recipe = load_recipe(write_recipe(tmp_path))  # shards of 12 rows, encoded in batches of 6
-    reference = prepare(recipe, tmp_path / "reference", host=host_module, encoder=clip, progress=False)
+    reference = prepare_resolved(recipe, tmp_path / "reference", host=host_module, encoder=clip, progress=False)
     assert reference.shards_encoded == 4
 
     killed = CountingEncoder(clip, fail_on_call=5)  # dies on shard 3, after shards 1-2 (4 calls) finished
     with pytest.raises(Killed):
-        prepare(recipe, tmp_path / "out", host=host_module, encoder=killed, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=killed, progress=False)
     assert len(list((tmp_path / "out" / CACHE_DIRNAME).glob("*.safetensors"))) == 2
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
 
     resumed_encoder = CountingEncoder(clip)
-    resumed = prepare(recipe, tmp_path / "out", host=host_module, encoder=resumed_encoder, progress=False)
+    resumed = prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=resumed_encoder, progress=False)
     assert (resumed.shards_reused, resumed.shards_encoded) == (2, 2)
     assert resumed_encoder.items == 24  # only the two unfinished shards' rows
     assert dir_snapshot(tmp_path / "out") == dir_snapshot(tmp_path / "reference")
@@ -169,8 +170,9 @@ KILL_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, torch
     from stitch.host.host import load_plugins
-    from stitch.data.prepare import prepare
     from stitch.config.recipe import load_recipe
+    sys.path.insert(0, sys.argv[3])  # the tests' directory
+    from stitch_testing import prepare_resolved
 
     host = load_plugins()
     spec = host.get("encoders", "clip-tiny")
@@ -184,7 +186,7 @@ KILL_SCRIPT = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGKILL)
             return inner.encode(items)
 
-    prepare(load_recipe(sys.argv[1]), sys.argv[2], host=host, encoder=KilledAfterTwoShards(), progress=False)
+    prepare_resolved(load_recipe(sys.argv[1]), sys.argv[2], host=host, encoder=KilledAfterTwoShards(), progress=False)
     """
 )
 
@@ -193,7 +195,7 @@ def test_sigkilled_prepare_leaves_only_whole_shards_and_resumes_to_the_same_outp
     recipe_path = write_recipe(tmp_path)
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-c", KILL_SCRIPT, str(recipe_path), str(out)],
+        [sys.executable, "-c", KILL_SCRIPT, str(recipe_path), str(out), str(Path(__file__).parent)],
         env={**os.environ}, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
@@ -204,11 +206,11 @@ def test_sigkilled_prepare_leaves_only_whole_shards_and_resumes_to_the_same_outp
     assert len(whole) in (1, 2) and len(files) - len(whole) <= 1, files
     recipe = load_recipe(recipe_path)
     resumed_encoder = CountingEncoder(clip)
-    resumed = prepare(recipe, out, host=host_module, encoder=resumed_encoder, progress=False)
+    resumed = prepare_resolved(recipe, out, host=host_module, encoder=resumed_encoder, progress=False)
     assert resumed.shards_reused == len(whole) and resumed_encoder.items == 48 - 12 * len(whole)
     assert not [p for p in (out / CACHE_DIRNAME).iterdir() if p.name.startswith(".tmp-")]
     reference = tmp_path / "reference"
-    prepare(recipe, reference, host=host_module, encoder=clip, progress=False)
+    prepare_resolved(recipe, reference, host=host_module, encoder=clip, progress=False)
     assert dir_snapshot(out) == dir_snapshot(reference)
 
 
@@ -238,17 +240,17 @@ def test_a_run_killed_at_a_shard_or_sidecar_rename_resumes_to_the_reference_byte
     """Whatever a killed writer left beside the whole shards (a sidecar's temp file, a sidecar whose shard never
     landed) is gone or rewritten after the resume: the output equals an uninterrupted run's, file for file."""
     recipe = load_recipe(write_recipe(tmp_path, prepare={"workers": 0}))
-    prepare(recipe, tmp_path / "reference", host=host_module, encoder=clip, progress=False)
+    prepare_resolved(recipe, tmp_path / "reference", host=host_module, encoder=clip, progress=False)
     with monkeypatch.context() as patch:
         renames = _kill_at_second_rename(patch, suffix)
         with pytest.raises(Killed):  # the writer thread's death reaches prepare() when it records that shard
-            prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+            prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
     cache = tmp_path / "out" / CACHE_DIRNAME
     killed = Path(str(renames[1]).removesuffix(".sha256"))
     whole = {p.name for p in cache.glob("*.safetensors")}
     leftovers = {p.name for p in cache.iterdir()} - whole - {name + ".sha256" for name in whole}
     assert killed.name not in whole and leftovers  # the sidecar's temp file, or the shard-less sidecar
-    resumed = prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+    resumed = prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
     assert (resumed.shards_reused, resumed.shards_encoded) == (len(whole), 4 - len(whole))
     assert dir_snapshot(tmp_path / "out") == dir_snapshot(tmp_path / "reference")
 
@@ -260,12 +262,12 @@ def test_a_sidecar_whose_shard_never_landed_is_removed_with_the_orphan_shards(tm
     with monkeypatch.context() as patch:
         renames = _kill_at_second_rename(patch, ".safetensors")
         with pytest.raises(Killed):
-            prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 0})), tmp_path / "out", host=host_module,
+            prepare_resolved(load_recipe(write_recipe(tmp_path, prepare={"workers": 0})), tmp_path / "out", host=host_module,
                     encoder=clip, progress=False)
     cache = tmp_path / "out" / CACHE_DIRNAME
     shards = {p.name for p in cache.glob("*.safetensors")}
     assert not renames[1].exists() and Path(f"{renames[1]}.sha256").is_file()  # a sidecar without its shard
-    prepare(load_recipe(write_recipe(tmp_path, shard_rows=6)), tmp_path / "out", host=host_module, encoder=clip,
+    prepare_resolved(load_recipe(write_recipe(tmp_path, shard_rows=6)), tmp_path / "out", host=host_module, encoder=clip,
             progress=False)
     sidecars = {p.name for p in cache.glob("*.sha256")}
     assert sidecars == {p.name + ".sha256" for p in cache.glob("*.safetensors")} and not shards & {
@@ -292,7 +294,7 @@ def test_corrupt_image_stops_preparation_naming_row_and_column(tmp_path, host_mo
     source = {"path": str(_corrupt_parquet(tmp_path)), "format": "parquet"}
     recipe = load_recipe(write_recipe(tmp_path, source=source, partitions={"train": [0, 12]}, scan_cap=20))
     with pytest.raises(PrepareError) as err:
-        prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host_module, progress=False)
     message = str(err.value)
     assert "'shapes-3-000005'" in message and "column 'image'" in message and "on_corrupt: skip" in message
 
@@ -302,7 +304,7 @@ def test_corrupt_image_is_skipped_counted_and_reported_when_on_corrupt_is_skip(t
     recipe = load_recipe(
         write_recipe(tmp_path, source=source, partitions={"train": [0, 12]}, scan_cap=20, on_corrupt="skip")
     )
-    report = prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "out", host=host_module, progress=False)
     assert [s["id"] for s in report.skipped] == ["shapes-3-000005"] and report.skipped[0]["column"] == "image"
     ids = [r.id for r in PreparedData(tmp_path / "out").rows()]
     # the corrupt row takes no valid-row ordinal: the partition is filled by the next row
@@ -314,7 +316,7 @@ def test_missing_column_names_the_column_the_recipe_field_and_the_row(tmp_path, 
     columns = {"id": "id", "media": "picture", "question": "question", "answer": "answer"}
     recipe = load_recipe(write_recipe(tmp_path, columns=columns))
     with pytest.raises(PrepareError) as err:
-        prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host_module, progress=False)
     message = str(err.value)
     assert "'picture'" in message and "data.columns.media" in message and "'shapes-0-000000'" in message
 
@@ -323,7 +325,7 @@ def test_missing_rejected_column_names_the_column_and_data_columns_rejected(tmp_
     columns = {"id": "id", "media": "image", "question": "question", "answer": "answer", "rejected": "worse"}
     recipe = load_recipe(write_recipe(tmp_path, columns=columns))
     with pytest.raises(PrepareError, match=r"'shapes-0-000000'.*'worse' \(data\.columns\.rejected\)"):
-        prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host_module, progress=False)
 
 
 def _rows_with_rejected(tmp_path: Path, rejected: list) -> Path:
@@ -340,7 +342,7 @@ def test_rejected_column_is_kept_in_the_manifest_and_an_empty_one_is_an_invalid_
     columns = {"id": "id", "media": "image", "question": "question", "answer": "answer", "rejected": "worse"}
     recipe = load_recipe(write_recipe(tmp_path, source=source, columns=columns, partitions={"train": [0, 3]},
                                       scan_cap=4, on_corrupt="skip"))
-    report = prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
     assert report.skipped[0]["id"] == "r1" and report.skipped[0]["column"] == "worse"
     rows = list(PreparedData(tmp_path / "out").rows())
     assert [(r.id, r.extra) for r in rows] == [("r0", {"rejected": "blue"}), ("r2", {"rejected": "green"}),
@@ -352,7 +354,7 @@ def test_retained_budget_refuses_before_encoding_anything(tmp_path, clip, host_m
     recipe = load_recipe(write_recipe(tmp_path, budgets={"transient_mib": 64, "retained_mib": 1}))
     encoder = CountingEncoder(clip)
     with pytest.raises(BudgetExceeded, match=r"data\.budgets\.retained_mib=1"):
-        prepare(recipe, tmp_path / "out", host=host_module, encoder=encoder, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=encoder, progress=False)
     assert encoder.calls == 0
 
 
@@ -362,16 +364,16 @@ def test_transient_budget_stops_and_the_temporary_cache_is_removed(tmp_path, cli
     seen: list[Path] = []
     real_open = prep.open_stream
 
-    def open_and_download(source, cache_dir):  # stands in for a hub download landing in the temp cache
+    def open_and_download(source, cache_dir, builtin):  # stands in for a hub download landing in the temp cache
         seen.append(cache_dir)
         cache_dir.mkdir(parents=True, exist_ok=True)
         (cache_dir / "downloaded.bin").write_bytes(b"\0" * (2 * 2**20))
-        return real_open(source, cache_dir)
+        return real_open(source, cache_dir, builtin)
 
     monkeypatch.setattr(prep, "open_stream", open_and_download)
     recipe = load_recipe(write_recipe(tmp_path, budgets={"transient_mib": 1, "retained_mib": 16}))
     with pytest.raises(BudgetExceeded, match=r"data\.budgets\.transient_mib=1"):
-        prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
     assert seen and not seen[0].exists()
 
 
@@ -387,9 +389,9 @@ def test_prepare_streams_through_its_own_temp_cache_and_never_the_global_one(tmp
     import stitch.data.prepare as prep
 
     real_open = prep.open_stream
-    monkeypatch.setattr(prep, "open_stream", lambda source, cache: opened.append(cache) or real_open(source, cache))
+    monkeypatch.setattr(prep, "open_stream", lambda source, cache, builtin: opened.append(cache) or real_open(source, cache, builtin))
     recipe = load_recipe(write_recipe(tmp_path))
-    prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+    prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
     after = sorted(global_cache.rglob("*")) if global_cache.exists() else None
     assert after == before
     assert opened and opened[0].is_relative_to(private_tmp)  # the datasets cache lived in prepare's temp dir
@@ -402,7 +404,7 @@ def test_scan_cap_reached_before_partitions_fill_is_an_error_naming_the_cap(tmp_
         write_recipe(tmp_path, source=source, partitions={"train": [0, 12]}, scan_cap=12, on_corrupt="skip")
     )
     with pytest.raises(PrepareError, match=r"data\.scan_cap=12"):
-        prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host_module, progress=False)
 
 
 def test_shipped_demo_recipe_prepares_with_its_own_columns_dtype_and_encoder(tmp_path, host_module):
@@ -414,7 +416,7 @@ def test_shipped_demo_recipe_prepares_with_its_own_columns_dtype_and_encoder(tmp
     small_source = dataclasses.replace(demo.data.source, rows=32, caption_rows=8, annotator_rows=(8, 32))
     parts = (dataclasses.replace(demo.data.partitions[0], end=8), dataclasses.replace(demo.data.partitions[1], start=8, end=32))
     small = dataclasses.replace(demo, data=dataclasses.replace(demo.data, source=small_source, partitions=parts))
-    report = prepare(small, tmp_path / "out", host=host_module, progress=False)
+    report = prepare_resolved(small, tmp_path / "out", host=host_module, progress=False)
     assert report.rows == {"alignment": 8, "train": 24}
     encoder = host_module.get("encoders", demo.encoder)
     assert report.retained_bytes_per_row <= 1.05 * encoder.tokens_per_item * encoder.feature_width * 2
@@ -473,7 +475,7 @@ def test_json_source_with_chat_messages_and_two_images_per_row(tmp_path, clip, h
         partitions={"train": [0, 3]},
         scan_cap=3,
     ))
-    prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+    prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
     data = PreparedData(tmp_path / "out")
     rows = list(data.rows())
     assert [r.id for r in rows] == ["pair-0", "pair-1", "pair-2"]
@@ -495,7 +497,7 @@ def test_imagefolder_source_with_metadata_and_positional_row_ids(tmp_path, clip,
         partitions={"train": [1, 4]},
         scan_cap=4,
     ))
-    report = prepare(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=clip, progress=False)
     rows = list(PreparedData(tmp_path / "out").rows())
     assert [r.id for r in rows] == ["row1", "row2", "row3"] and report.rows_scanned == 4
     assert rows[0].provenance["dataset"] == f"imagefolder:{tmp_path / 'folder'}"
@@ -572,7 +574,7 @@ def test_no_shard_queued_behind_a_failed_encode_is_encoded_or_written(tmp_path, 
     try:
         mp.setattr(prep._Preparation, "record", record)
         with pytest.raises(Killed):
-            prepare(recipe, tmp_path / "out", host=host_module, encoder=killed, progress=False)
+            prepare_resolved(recipe, tmp_path / "out", host=host_module, encoder=killed, progress=False)
     finally:
         mp.undo()
     assert killed.calls == 5  # shards 1-2 (4 calls), then shard 3's failing one: nothing after it

@@ -10,9 +10,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
-from stitch.data.prepare import REPORT_NAME, prepare
+from stitch.data.prepare import REPORT_NAME
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
@@ -174,10 +175,12 @@ def test_shards_and_manifest_are_bitwise_equal_with_0_and_2_decode_workers_throu
     rows, one chunk ahead (the slot is taken again once a flushed shard's rows let go of it; a chunk that finds it
     taken travels as a segment of its own): one output."""
     import stitch.data.prepare as prep
+    from stitch.kernels import prepare_workers
+    from stitch.kernels.shared_slots import SharedSlots
 
     def one_slot(preprocess, workers, shard_rows):
         ring = media_slots(preprocess, workers, shard_rows)
-        return ring and prep.SharedSlots(1, ring.slot_bytes)
+        return ring and SharedSlots(1, ring.slot_bytes)
 
     media_slots = prep.media_slots
     snapshots, chunks = [], []
@@ -186,12 +189,12 @@ def test_shards_and_manifest_are_bitwise_equal_with_0_and_2_decode_workers_throu
         root.mkdir()
         if slots:
             monkeypatch.setattr(prep, "media_slots", one_slot)
-            monkeypatch.setattr(prep, "MEDIA_CHUNK_ROWS", 4)
-            monkeypatch.setattr(prep, "chunks_ahead", lambda workers, shard_rows: 1)
+            monkeypatch.setattr(prepare_workers, "MEDIA_CHUNK_ROWS", 4)
+            monkeypatch.setattr(prepare_workers, "chunks_ahead", lambda workers, shard_rows: 1)
         data = {"source": {"builtin": "counting-shapes", "rows": 20, "caption_rows": 4, "seed": 0},
                 "partitions": {"alignment": [0, 6], "train": [6, 20]}, "scan_cap": 24, "shard_rows": 5,
                 "encode_batch_size": 3, "prepare": {"workers": workers}}
-        report = prepare(load_recipe(write_recipe(root, **data)), root / "out", host=host_module, progress=False)
+        report = prepare_resolved(load_recipe(write_recipe(root, **data)), root / "out", host=host_module, progress=False)
         assert report.rows == {"alignment": 6, "train": 14} and report.shards_encoded == 4 + 1
         snapshots.append(dir_snapshot(root / "out"))
         chunks.append(report.media_chunks)
@@ -207,7 +210,7 @@ def test_hostile_rows_are_reported_identically_with_0_and_2_decode_workers(hosti
     reports = []
     for workers in (0, 2):
         out = tmp_path / f"out{workers}"
-        prepare(load_recipe(hostile_recipe(root, name=f"w{workers}", prepare={"workers": workers})), out,
+        prepare_resolved(load_recipe(hostile_recipe(root, name=f"w{workers}", prepare={"workers": workers})), out,
                 host=host_module, progress=False)
         report = json.loads((out / REPORT_NAME).read_text())
         reports.append((report["rows"], report["skipped"], dir_snapshot(out)))
@@ -231,7 +234,7 @@ def test_served_images_are_preprocessed_as_prepare_preprocessed_the_training_ima
 
 
 def test_patch_embedding_as_one_gemm_equals_the_stride_32_conv_it_replaces(tiny):
-    from stitch_clip.encoder import PatchGemm
+    from stitch_clip.fast import PatchGemm
 
     _, encoder, _ = tiny
     gemms = [m for m in encoder.model.modules() if type(m) is PatchGemm]

@@ -11,9 +11,11 @@ import time
 
 import pytest
 import torch
+from stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
-from stitch.data.prepare import ENCODE_PHASES, PhaseClock, PrepareError, PromptCheck, prepare
+from stitch.data.prepare import PrepareError, PromptCheck
+from stitch.kernels.prepare_workers import ENCODE_PHASES, PhaseClock, ShardEncoder
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
@@ -58,7 +60,7 @@ def test_a_too_long_prompt_found_in_a_worker_stops_the_run_naming_row_column_exp
     recipe = _two_row_recipe(hostile, {"id": "wordy", "image": "imgs/good0.png", "question": "count " * 4000,
                                        "answer": "x"})
     with pytest.raises(PrepareError) as caught:
-        prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host_module, progress=False)
     message = str(caught.value)
     assert "row 'wordy' (stream position 1), column 'question'" in message
     assert f"expected at most stages.alignment.token_budget={TOKEN_BUDGET}" in message
@@ -82,7 +84,7 @@ def test_a_prompt_that_does_not_tokenize_in_a_worker_names_row_and_column_before
     recipe = _two_row_recipe(hostile, {"id": "odd", "image": "imgs/no-such.png", "question": "UNTOKENIZABLE",
                                        "answer": "1"})
     with pytest.raises(PrepareError) as caught:
-        prepare(recipe, tmp_path / "out", host=host_module, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host_module, progress=False)
     message = str(caught.value)
     # the prompt is judged first: the missing file of the same row is not what is reported
     assert "row 'odd' (stream position 1), column 'question': does not tokenize with 'qwen3.5-tiny'" in message
@@ -103,7 +105,7 @@ def test_conversations_are_tokenized_in_the_decode_workers_when_there_are_worker
     monkeypatch.setattr(PromptCheck, "tokenize", counted)
     data = {"source": {"builtin": "counting-shapes", "rows": 12, "caption_rows": 0, "seed": 0},
             "partitions": {"train": [0, 12]}, "scan_cap": 12, "prepare": {"workers": workers}}
-    report = prepare(load_recipe(write_recipe(tmp_path, **data)), tmp_path / "out", host=host_module, progress=False)
+    report = prepare_resolved(load_recipe(write_recipe(tmp_path, **data)), tmp_path / "out", host=host_module, progress=False)
     assert report.total_rows == 12
     assert len(calls) == (12 if workers == 0 else 0)
     assert report.worker_seconds["prompt"] > 0 and report.worker_seconds["media"] > 0
@@ -111,7 +113,7 @@ def test_conversations_are_tokenized_in_the_decode_workers_when_there_are_worker
 
 def test_report_phase_seconds_name_every_phase_and_add_up_to_the_whole_call(tmp_path, host_module):
     started = time.perf_counter()
-    report = prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out", host=host_module,
+    report = prepare_resolved(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out", host=host_module,
                      progress=False)
     elapsed = time.perf_counter() - started
     phases = report.phase_seconds
@@ -159,12 +161,12 @@ def test_a_fresh_run_loads_the_encoder_while_its_first_shard_decodes_and_a_rerun
     mp = pytest.MonkeyPatch()
     try:
         mp.setattr(prep._Preparation, "decoded_rows", decoded_rows)
-        prepare(recipe, tmp_path / "out", host=host, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host, progress=False)
     finally:
         mp.undo()
     assert [name for name, _ in sorted(events, key=lambda e: e[1])] == ["load", "first row decoded"]
     events.clear()
-    report = prepare(recipe, tmp_path / "out", host=host, progress=False)
+    report = prepare_resolved(recipe, tmp_path / "out", host=host, progress=False)
     assert report.shards_reused == 4 and events == []
 
 
@@ -174,11 +176,10 @@ def test_the_wait_for_a_slow_loading_encoder_is_reported_as_encoder_load_not_as_
     the encoder): that half second is ``encoder_load``, and ``encode`` does not count it again."""
     import threading
 
-    from stitch.data import prepare as prep
 
     inner = host_module.get("encoders", ENCODER)
     first_input = threading.Event()
-    batch = prep._Preparation.batch
+    batch = ShardEncoder.batch
 
     def recorded_batch(self, items):
         first_input.set()
@@ -189,8 +190,8 @@ def test_the_wait_for_a_slow_loading_encoder_is_reported_as_encoder_load_not_as_
         time.sleep(0.5)
         return inner.load(source, device, dtype)
 
-    monkeypatch.setattr(prep._Preparation, "batch", recorded_batch)
-    report = prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out",
+    monkeypatch.setattr(ShardEncoder, "batch", recorded_batch)
+    report = prepare_resolved(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out",
                      host=_EncoderHost(host_module, slow_load), progress=False)
     assert report.encode_seconds["encoder_load"] >= 0.5
     assert report.encode_seconds["encode"] < report.seconds - report.encode_seconds["encoder_load"]
@@ -214,7 +215,7 @@ def test_the_encoder_runs_on_the_callers_torch_threads_and_they_are_restored(tmp
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out", host=host_module,
+        prepare_resolved(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out", host=host_module,
                 encoder=recording, progress=False)
         assert seen and set(seen) == {2}
         assert torch.get_num_threads() == 2
@@ -229,13 +230,13 @@ def test_objects_from_before_prepare_are_out_of_full_collections_while_it_encode
     collectable again once it returns; a program that froze objects itself keeps them frozen."""
     import gc
 
-    from stitch.data.prepare import PARKED_BY_PYTHON
+    from stitch.kernels.prepare_workers import PARKED_BY_PYTHON
 
     seen = []  # (objects frozen, collection on) as each encode begins
     recording = _recording_encoder(host_module, lambda: seen.append((gc.get_freeze_count(), gc.isenabled())))
     assert gc.get_freeze_count() <= PARKED_BY_PYTHON and gc.isenabled()
     before = len(gc.get_objects())
-    prepare(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out", host=host_module,
+    prepare_resolved(load_recipe(write_recipe(tmp_path, prepare={"workers": 1})), tmp_path / "out", host=host_module,
             encoder=recording, progress=False)
     assert seen and min(frozen for frozen, _ in seen) >= before // 2  # the objects of before, frozen
     assert all(enabled for _, enabled in seen)  # settled: what prepare makes is collected
@@ -246,7 +247,7 @@ def test_objects_from_before_prepare_are_out_of_full_collections_while_it_encode
         ours = gc.get_freeze_count()
         seen.clear()
         (tmp_path / "again").mkdir()
-        prepare(load_recipe(write_recipe(tmp_path / "again", prepare={"workers": 1})), tmp_path / "again" / "out",
+        prepare_resolved(load_recipe(write_recipe(tmp_path / "again", prepare={"workers": 1})), tmp_path / "again" / "out",
                 host=host_module, encoder=recording, progress=False)
         assert seen and max(frozen for frozen, _ in seen) <= ours  # nothing more frozen (some freed)
         assert gc.get_freeze_count() >= ours // 2  # and not unfrozen by prepare
@@ -256,12 +257,12 @@ def test_objects_from_before_prepare_are_out_of_full_collections_while_it_encode
 
 def test_the_objects_python_3_12_parks_itself_do_not_count_as_the_programs_freeze(monkeypatch):
     """Python 3.12 keeps its immortal objects (375 at start-up) in the permanent generation, where a freeze puts
-    objects: that count must not read as the program's own freeze, or prepare leaves full collections on (the
-    H200's Python 3.12 did, two of 0.25-0.44 s per 16k-image run). Simulated on any Python: what is frozen here is
-    what the interpreter parked, and a count above it is the program's."""
+    objects: that count must not read as the program's own freeze, or prepare leaves full collections on.
+    Simulated on any Python: what is frozen here is what the interpreter parked, and a count above it is the
+    program's."""
     import gc
 
-    import stitch.data.prepare as prep
+    import stitch.kernels.prepare_workers as prep
 
     gc.freeze()  # as if the interpreter had parked these
     try:
@@ -298,7 +299,7 @@ def test_a_fresh_run_warms_the_encoder_up_in_its_loader_thread_before_the_first_
 
     host = _EncoderHost(host_module, lambda source, device, dtype: Warmable(inner.load(source, device, dtype)))
     recipe = load_recipe(write_recipe(tmp_path, prepare={"workers": 1}))
-    prepare(recipe, tmp_path / "out", host=host, progress=False)
+    prepare_resolved(recipe, tmp_path / "out", host=host, progress=False)
     kinds = [kind for kind, _, _ in events]
     assert kinds[0] == "warm_up" and kinds.count("warm_up") == 1 and "encode" in kinds
     assert events[0][1].startswith("stitch-encoder-load") and events[0][2] == recipe.data.encode_batch_size
@@ -342,11 +343,11 @@ def test_the_next_shard_is_gathered_while_the_encode_thread_encodes_one(tmp_path
     mp = pytest.MonkeyPatch()
     try:
         mp.setattr(prep._Preparation, "valid_rows", valid_rows)
-        report = prepare(recipe, tmp_path / "out", host=host, progress=False)
+        report = prepare_resolved(recipe, tmp_path / "out", host=host, progress=False)
     finally:
         mp.undo()
     assert waited == [True] and report.shards_encoded == 4
-    prepare(recipe, tmp_path / "plain", host=host_module, progress=False)
+    prepare_resolved(recipe, tmp_path / "plain", host=host_module, progress=False)
     assert dir_snapshot(tmp_path / "out") == dir_snapshot(tmp_path / "plain")
 
 
@@ -365,7 +366,7 @@ def test_an_encoder_answering_the_wrong_shape_stops_the_run_naming_the_rows_and_
     recipe = load_recipe(write_recipe(tmp_path, prepare={"workers": 1}))
     with pytest.raises(PrepareError, match=r"returned features of shape \(\d+, \d+, \d+\) for rows \S+\.\.\S+; its "
                                            r"spec declares"):
-        prepare(recipe, tmp_path / "out", host=host, progress=False)
+        prepare_resolved(recipe, tmp_path / "out", host=host, progress=False)
     assert not (tmp_path / "out" / "manifest.jsonl").exists()
     assert not list((tmp_path / "out").rglob("*.safetensors"))
     assert json.loads((tmp_path / "out" / "prepare-report.json").read_text())["complete"] is False

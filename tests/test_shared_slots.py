@@ -9,7 +9,7 @@ import multiprocessing
 import pytest
 import torch
 
-from stitch.data.shared_slots import SharedSlots, SlotBytes
+from stitch.kernels.shared_slots import SharedSlots, SlotBytes
 
 fork = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="slots reach workers by fork")
 
@@ -101,7 +101,7 @@ def test_a_preprocess_gets_byte_slots_only_when_it_offers_both_halves_of_the_han
     """``media_slots`` maps a byte ring for a preprocess that declares ``slot_bytes_per_item`` and offers
     ``hand_over`` and ``take_over``; with either half missing its items travel as they would without (a payload
     put into a slot that the main process cannot turn back into items would stop the run)."""
-    from stitch.data.prepare import MEDIA_CHUNK_ROWS, fork_available, media_slots
+    from stitch.kernels.prepare_workers import MEDIA_CHUNK_ROWS, fork_available, media_slots
 
     class Both:
         stacks = False

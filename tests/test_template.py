@@ -115,8 +115,8 @@ def test_rendered_readme_recipe_parses_and_prepares_data_stored_as_it_says(insta
     """The README's recipe is a shipped recipe in effect: every field must be known to the loader and the
     stages, and `prepare` must run the plugin over data stored as the README says, skipping a corrupt row."""
     from datasets import Dataset
+    from stitch_testing import prepare_resolved
 
-    from stitch.data.prepare import prepare
     from stitch.host.validate import validate_recipe
 
     project, _ = installed
@@ -140,7 +140,7 @@ def test_rendered_readme_recipe_parses_and_prepares_data_stored_as_it_says(insta
     # prepare tokenizes every row with the recipe model's tokenizer: the README's hub model cannot download here,
     # so its tiny preset of the same family (the same sentinels and chat template) stands in
     mapping["model"] = "qwen3.5-tiny" if mapping["model"].startswith("qwen") else "nemotron-nano-tiny"
-    report = prepare(parse_recipe(mapping, path=tmp_path / "my.yaml"), tmp_path / "data-out", host=plugin_host,
+    report = prepare_resolved(parse_recipe(mapping, path=tmp_path / "my.yaml"), tmp_path / "data-out", host=plugin_host,
                      progress=False)
     assert report.rows == {"alignment": 2, "train": 4, "eval": 2, "grpo": 2}
     assert [(s["id"], s["column"]) for s in report.skipped] == [("s3", MODALITY)]

@@ -1,3 +1,3 @@
-"""How training is made fast: varlen attention and sample starts, chunked cross-entropy, half-precision LoRA,
-CUDA graphs. Each kernel path has a reference path it must equal; this floor imports torch and nothing of
-stitch above it."""
+"""How stitch is made fast: varlen attention and sample starts, chunked cross-entropy, half-precision LoRA,
+CUDA graphs, decode workers and shared slots for prepare. Each path has a reference it must equal; this floor
+imports torch and nothing of stitch above it."""

@@ -85,7 +85,7 @@ class EncoderSpec:
     (a Tensor [B, ...] instead of a list of decoded items); its ``identity`` string joins the shard keys, so a
     change of preprocessing never reuses features made the old way. A preprocess that declares ``item_shape``
     (and ``item_dtype``, default uint8) lets forked workers write their stacked chunks into shared slots mapped
-    once per run (``stitch.data.shared_slots``) instead of a shared-memory segment each. A preprocess may offer
+    once per run (``stitch.kernels.shared_slots``) instead of a shared-memory segment each. A preprocess may offer
     ``on_device(device)``: the variant prepare uses for an encoder on ``device`` (``data.prepare.decode: device``),
     which may leave part of the work to the device: its worker call returns items of any kind (``stacks = False``:
     each travels as it is) and its ``device_batch(items, device)`` turns a batch of them into the encoder's input

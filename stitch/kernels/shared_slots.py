@@ -2,10 +2,10 @@
 
 Why: a tensor a worker returns through ``torch.multiprocessing`` travels as a shared-memory segment of its own:
 the worker creates and maps it, the main process receives its descriptor and maps it, and freeing the chunk's rows
-unmaps it with the interpreter lock held. On the H200's 16-vCPU host those unmaps took ~1.9 ms a chunk, ~1.9 s of a
-65,536-image run's main thread (BENCHMARKS.md §0j). Here one anonymous shared mapping is made before the workers
-fork (they inherit it): a worker writes into the slot its task names and returns the slot's number, and the main
-process reads a view of the same pages. Nothing is mapped or unmapped per chunk.
+unmaps it with the interpreter lock held: milliseconds a chunk of the main thread, which bounds a large run. Here
+one anonymous shared mapping is made before the workers fork (they inherit it): a worker writes into the slot its
+task names and returns the slot's number, and the main process reads a view of the same pages. Nothing is mapped
+or unmapped per chunk.
 
 A slot is free again once every tensor viewing it is gone (a ``weakref.finalize`` on the numpy array the views are
 built on), so the rows' own lifetimes decide, with no bookkeeping in the run. A chunk that finds no free slot, or

@@ -1,0 +1,560 @@
+"""Preparation's row semantics: the source opened as a stream, each row's columns read and checked, its media paths
+confined and fingerprinted, its conversation tokenized as training will; the shard keys and the atomic shard write.
+``stitch.data.prepare`` runs these over a dataset, in order."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stitch.config.recipe import BuiltinSource, DataSource, HubSource, LocalSource, Recipe
+from stitch.data.collator import tokenize_example
+from stitch.data.feature_cache import (
+    SHARD_FORMAT,
+    SHARD_TENSOR,
+    cache_temp_path,
+    write_digest,
+    write_tensor_file,
+)
+from stitch.data.sentinels import SentinelIds
+from stitch.kernels.prepare_workers import stack_chunk
+from stitch.kernels.shared_slots import SharedSlots, SlotRef
+from stitch.plugins.specs import EncoderSpec
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class PrepareError(RuntimeError):
+    """Preparation cannot go on; the message names the row, column, field or budget at fault."""
+
+
+class BudgetExceeded(PrepareError):
+    pass
+
+
+class InvalidRow(ValueError):
+    """A row that cannot be used (corrupt media, empty text, a path outside the dataset, a prompt that does not
+    tokenize); ``data.on_corrupt`` decides error or skip. ``kind`` groups rows skipped for the same reason."""
+
+    def __init__(self, row_id: str, position: int, column: str, reason: str, kind: str) -> None:
+        super().__init__(f"row {row_id!r} (stream position {position}), column {column!r}: {reason}")
+        self.row_id, self.position, self.column, self.reason, self.kind = row_id, position, column, reason, kind
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.row_id, "position": self.position, "column": self.column, "kind": self.kind,
+                "reason": self.reason}
+
+
+
+def skipped_by_reason(skipped: Iterable[Mapping[str, Any]], first: int = 5) -> dict[str, dict[str, Any]]:
+    """Skipped rows grouped by ``kind``, most frequent first: ``{kind: {"count", "row_ids"}}`` (the first ``first``
+    ids of each)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for row in skipped:
+        group = groups.setdefault(row["kind"], {"count": 0, "row_ids": []})
+        group["count"] += 1
+        if len(group["row_ids"]) < first:
+            group["row_ids"].append(row["id"])
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]["count"]))
+
+
+def describe_skips(skipped: list[Mapping[str, Any]]) -> str:
+    """One clause per skip reason with its count and first row ids, for error lines and the CLI."""
+    return "; ".join(f"{kind}: {g['count']} (rows {', '.join(repr(i) for i in g['row_ids'])}"
+                     f"{', ...' if g['count'] > len(g['row_ids']) else ''})"
+                     for kind, g in skipped_by_reason(skipped).items())
+
+
+@dataclass
+class PendingRow:
+    id: str
+    position: int
+    partition: str
+    messages: list[dict[str, str]]
+    media: list[Any]  # decoded items (or the encoder's preprocessed tensors), encoded if the shard is new
+    hashes: list[str]
+    extra: dict[str, str] = field(default_factory=dict)  # task text columns, e.g. rejected
+
+
+@dataclass
+class ScannedRow:
+    """A row as read from the stream, its text checked; its media are decoded in a worker meanwhile."""
+
+    id: str
+    position: int
+    error: InvalidRow | PrepareError | None = None  # raised when the run reaches this row, in stream order
+    messages: list[dict[str, str]] = field(default_factory=list)
+    extra: dict[str, str] = field(default_factory=dict)
+    values: list[Any] = field(default_factory=list)
+
+
+# -- streaming ------------------------------------------------------------------------------------------
+
+
+def open_stream(source: DataSource, cache_dir: Path, builtin: Callable[[BuiltinSource], Path] | None = None) -> Any:
+    """A ``datasets`` IterableDataset over the source; every cache it writes goes under ``cache_dir``. A builtin
+    source is read from the parquet file ``builtin(source)`` materialises."""
+    from datasets import DownloadConfig, load_dataset
+
+    common: dict[str, Any] = {
+        "streaming": True,
+        "cache_dir": str(cache_dir),
+        "download_config": DownloadConfig(cache_dir=str(cache_dir / "downloads")),
+    }
+    if isinstance(source, BuiltinSource):
+        if builtin is None:
+            raise PrepareError(f"data.source.builtin {source.builtin!r}: prepare() was given no builtin= to "
+                               f"materialise builtin sources with (expected a callable BuiltinSource -> parquet path)")
+        parquet = builtin(source)
+        return load_dataset("parquet", data_files=str(parquet), split="train", **common)
+    if isinstance(source, LocalSource):
+        if not source.path.exists():
+            raise PrepareError(f"data.source.path {str(source.path)!r} does not exist")
+        where = {"data_dir": str(source.path)} if source.path.is_dir() else {"data_files": str(source.path)}
+        return load_dataset(source.format, split=source.split, **where, **common)
+    assert isinstance(source, HubSource)
+    return load_dataset(source.hub, source.config, revision=source.revision, split=source.split, **common)
+
+
+def raw_media_stream(stream: Any, media_column: str) -> Any:
+    """Ask ``datasets`` for undecoded media (``{bytes, path}``) so the encoder's ``decode_item`` decodes it."""
+    features = getattr(stream, "features", None)
+    feature = features.get(media_column) if features else None
+    undecoded = _undecoded(feature) if feature is not None else None
+    return stream if undecoded is None else stream.cast_column(media_column, undecoded)
+
+
+def _undecoded(feature: Any) -> Any:
+    """``feature`` (or the media feature a list holds) with decoding off; None when it decodes no media. A ``Json``
+    column (what ``datasets`` infers for a column holding a string in some rows and a list in others) is left
+    decoding: undecoded it hands back each value's JSON text, so a path would arrive quoted."""
+    from datasets import Json
+
+    if isinstance(feature, Json) or not dataclasses.is_dataclass(feature):
+        return None
+    if getattr(feature, "decode", False):
+        return dataclasses.replace(feature, decode=False)
+    inner = getattr(feature, "feature", None)
+    inner = _undecoded(inner) if inner is not None else None
+    return None if inner is None else dataclasses.replace(feature, feature=inner)
+
+
+STREAM_BATCH_ROWS = 256  # rows read from the stream at a time
+
+
+def stream_rows(stream: Iterable[Mapping[str, Any]], batch_size: int = STREAM_BATCH_ROWS) -> Iterator[dict[str, Any]]:
+    """The stream's rows as dicts, in order. A ``datasets`` stream is read ``batch_size`` rows at a time: row by row
+    it formats every row as a table of its own, about twice the time a row in
+    the main process that bounds preparation. Anything else is iterated as it is."""
+    batches = getattr(stream, "iter", None)
+    if not callable(batches):
+        yield from stream
+        return
+    for batch in batches(batch_size=batch_size):
+        columns = list(batch)
+        for values in zip(*(batch[c] for c in columns), strict=True):
+            yield dict(zip(columns, values, strict=True))
+
+
+def tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+# -- rows -----------------------------------------------------------------------------------------------
+
+
+def media_fingerprint(value: Any) -> str:
+    """sha256 of a raw media value's bytes: bytes, ``{bytes, path}``, a path, or anything with ``tobytes``."""
+    digest = hashlib.sha256()
+    if isinstance(value, bytes | bytearray | memoryview):
+        digest.update(bytes(value))
+    elif isinstance(value, Mapping) and value.get("bytes") is not None:
+        digest.update(bytes(value["bytes"]))
+    elif isinstance(value, Mapping) and value.get("path"):
+        digest.update(Path(value["path"]).read_bytes())
+    elif isinstance(value, str | os.PathLike):
+        digest.update(Path(value).read_bytes())
+    elif hasattr(value, "tobytes"):  # PIL images, numpy arrays
+        digest.update(repr((getattr(value, "mode", None), getattr(value, "size", None))).encode())
+        digest.update(value.tobytes())
+    else:
+        raise TypeError(f"cannot fingerprint a media value of type {type(value).__name__}")
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class MediaPaths:
+    """Where a row's media paths may point. A local source's relative paths resolve against its directory and
+    must stay inside it (after ``..`` and symlinks) unless ``data.allow_paths_outside``; a source without a
+    directory of its own (hub, builtin) must carry bytes, so a dataset can never make stitch read this
+    machine's files."""
+
+    root: Path | None  # the local dataset directory; None: rows must carry bytes
+    allow_outside: bool
+    source: str  # how errors name the source
+    blobs: Path | None = None  # a hub snapshot in the HF cache: its files are symlinks into the repo's blobs/
+
+    def item(self, value: Any) -> Any:
+        """One media value normalised for ``decode_item``: bytes, ``{bytes, path}`` with bytes, or a checked path
+        (a ``{path}`` dict keeps its other keys); raises ``_BadMedia``."""
+        if isinstance(value, bytes | bytearray | memoryview):
+            return bytes(value)
+        if isinstance(value, Mapping):
+            if value.get("bytes") is not None:
+                return value  # bytes win; the path is only a name and is never opened
+            if value.get("path"):
+                return {**value, "path": self.path(str(value["path"]))}
+            raise _BadMedia("media-type", f"a media dict needs 'bytes' or 'path', got keys {sorted(value)}")
+        if isinstance(value, str | os.PathLike):
+            return self.path(os.fspath(value))
+        return value  # anything else (a decoded image, an array) is the encoder's decode_item to judge
+
+    def path(self, value: str) -> str:
+        if self.root is None:
+            raise _BadMedia("path-not-allowed", f"{self.source} rows must carry media bytes; got the path {value!r}, "
+                                                f"which would be read from this machine")
+        candidate = Path(value) if os.path.isabs(value) else self.root / value
+        real = candidate.resolve()
+        if not self.allow_outside:
+            if not Path(os.path.normpath(candidate)).is_relative_to(self.root):
+                how = "an absolute path" if os.path.isabs(value) else "a '..' path"
+                raise _BadMedia("path-outside", f"{how} outside the dataset directory {str(self.root)!r}: {value!r}; "
+                                                f"set data.allow_paths_outside: true to allow it")
+            inside = real.is_relative_to(self.root.resolve()) or (self.blobs and real.is_relative_to(self.blobs))
+            if not inside:
+                raise _BadMedia("path-outside", f"{value!r} is a symlink to {str(real)!r}, outside the dataset "
+                                                f"directory {str(self.root)!r}; set data.allow_paths_outside: true "
+                                                f"to allow it")
+        if not real.is_file():
+            raise _BadMedia("missing-file", f"media file {value!r} not found (looked at {str(candidate)!r})")
+        return str(real)
+
+
+class _BadMedia(ValueError):
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+def short_value(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def media_paths(data: Any) -> MediaPaths:
+    source = data.source
+    if isinstance(source, LocalSource):
+        root = source.path.parent if source.path.is_file() else source.path  # absolute, symlinks kept
+        return MediaPaths(root, data.allow_paths_outside, "local", _snapshot_blobs(source.path))
+    return MediaPaths(None, False, "hub" if isinstance(source, HubSource) else "builtin")
+
+
+def _snapshot_blobs(path: Path) -> Path | None:
+    """``REPO/blobs`` when ``path`` lies in a hub snapshot of the HF cache (``REPO/snapshots/REVISION/...``)."""
+    path = Path(os.path.abspath(path))  # lexically: the snapshot's own files are symlinks
+    for parent in path.parents:
+        if parent.parent.name == "snapshots" and parent.parent.parent.name.startswith("datasets--"):
+            return (parent.parent.parent / "blobs").resolve()
+    return None
+
+
+def media_items(value: Any, row_id: str, position: int, column: str) -> list[Any]:
+    """A media column's value as a list of items: one column may hold one item in some rows and a list in others."""
+    values = list(value) if isinstance(value, list | tuple) else [value]
+    if not values or any(v is None for v in values):
+        raise InvalidRow(row_id, position, column, f"no media value (got {short_value(value)})", "no-media")
+    return values
+
+
+LLAVA_IMAGE_MARKER = "<image>"
+
+
+def _messages(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int) -> list[dict[str, str]]:
+    cols = recipe.data.columns
+    if cols.messages is None:
+        out = []
+        for role, column in (("user", cols.question), ("assistant", cols.answer)):
+            value = raw[column]
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                value = str(value)
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidRow(row_id, position, column, f"expected non-empty text, got {short_value(value)}",
+                                 "empty-text")
+            out.append({"role": role, "content": value})
+        return out
+    value = raw[cols.messages]
+    if not isinstance(value, list) or not value:
+        raise InvalidRow(row_id, position, cols.messages, f"expected a list of chat messages, got "
+                                                          f"{short_value(value)}", "bad-messages")
+    out = []
+    for turn in value:
+        role = turn.get("role", turn.get("from")) if isinstance(turn, Mapping) else None
+        content = turn.get("content", turn.get("value")) if isinstance(turn, Mapping) else None
+        if role not in _ROLES or not isinstance(content, str):
+            raise InvalidRow(row_id, position, cols.messages,
+                             f"expected {{role, content}} turns (roles {sorted(_ROLES)}), got {short_value(turn)}",
+                             "bad-messages")
+        # LLaVA-style data marks the image with a literal "<image>" in the text; stitch places media itself
+        out.append({"role": _ROLES[role], "content": content.replace(LLAVA_IMAGE_MARKER, "").strip()})
+    if out[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in out):
+        raise InvalidRow(row_id, position, cols.messages, "messages must contain a user turn and end with the "
+                                                          "assistant", "bad-messages")
+    return out
+
+
+def extra_columns(recipe: Recipe) -> dict[str, str]:
+    """Text columns kept beside the conversation for the task, as ``ManifestRow.extra`` key -> dataset column
+    (``data.columns.rejected``: a dispreferred answer per row, DPO's rejected branch)."""
+    column = getattr(recipe.data.columns, "rejected", None)
+    return {} if column is None else {"rejected": column}
+
+
+def _extra(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int) -> dict[str, str]:
+    out = {}
+    for key, column in extra_columns(recipe).items():
+        value = raw[column]
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidRow(row_id, position, column, f"expected non-empty text (data.columns.{key}), got "
+                                                       f"{short_value(value)}", "empty-text")
+        out[key] = value
+    return out
+
+
+def _row_id(raw: Mapping[str, Any], recipe: Recipe, position: int) -> str:
+    column = recipe.data.columns.id
+    if column is None:
+        return f"row{position}"
+    if column not in raw:
+        raise _missing_column(column, "id", raw, f"row{position}")
+    return str(raw[column])
+
+
+def _missing_column(column: str, role: str, raw: Mapping[str, Any], row_id: str) -> PrepareError:
+    return PrepareError(
+        f"row {row_id!r}: column {column!r} (data.columns.{role}) is not in the dataset; "
+        f"its columns are: {', '.join(sorted(raw))}"
+    )
+
+
+def _check_columns(raw: Mapping[str, Any], recipe: Recipe, row_id: str) -> None:
+    cols = recipe.data.columns
+    for role in ("media", "question", "answer", "messages", *extra_columns(recipe)):
+        column = getattr(cols, role)
+        if column is not None and column not in raw:
+            raise _missing_column(column, role, raw, row_id)
+
+
+def scan_row(raw: Mapping[str, Any], recipe: Recipe, position: int) -> ScannedRow:
+    """One row as read from the stream, its columns and text checked; an error is kept with the row (raised when
+    the run reaches it, in stream order)."""
+    cols = recipe.data.columns
+    row = ScannedRow(f"row{position}", position)
+    try:
+        row.id = _row_id(raw, recipe, position)
+        _check_columns(raw, recipe, row.id)
+        row.messages = _messages(raw, recipe, row.id, position)
+        row.extra = _extra(raw, recipe, row.id, position)
+        row.values = media_items(raw[cols.media], row.id, position, cols.media)
+    except (InvalidRow, PrepareError) as exc:
+        row.error = exc
+    return row
+
+
+class PromptCheck:
+    """Tokenizes each row as training will (``tokenize_example`` with the recipe's model tokenizer and sentinels,
+    given by the caller) and checks it fits the token budget of every stage that reads its partition."""
+
+    def __init__(self, recipe: Recipe, tokenizer: Any, sentinel_ids: SentinelIds, tokens_per_item: int) -> None:
+        from jinja2 import TemplateError
+
+        self.model = recipe.model
+        self.tokenizer, self.sentinels, self.tokens = tokenizer, sentinel_ids, tokens_per_item
+        self.columns = recipe.data.columns
+        self.prompt_column = self.columns.messages or self.columns.question  # the column a prompt error names
+        self.errors = (ValueError, TemplateError)  # CollatorError is a ValueError; a chat template may raise
+        self.budgets: dict[str, list[tuple[str, int]]] = {}  # partition -> (stage, token_budget)
+        for stage, opts in recipe.stages.items():
+            budget, partition = getattr(opts, "token_budget", None), getattr(opts, "partition", None)
+            if budget is not None and partition is not None:
+                self.budgets.setdefault(partition, []).append((stage, budget))
+
+    def tokenize(self, conversation: list[dict[str, str]], num_items: int, row_id: str = "?") -> list[int]:
+        return tokenize_example(self.tokenizer, conversation, self.sentinels, self.tokens, num_items,
+                                row_id=row_id)[0]
+
+    def measure(self, messages: list[dict[str, str]], extra: Mapping[str, str], num_items: int,
+                row_id: str) -> list[int | tuple[str, str]]:
+        """The token count of each branch (the answer, then DPO's rejected answer), or ``(column, reason)`` for
+        the first one that does not tokenize (the branches after it are not tokenized). Independent of the
+        row's partition, so a decode worker runs it; ``budgets`` then judges the counts in stream order."""
+        branches = [(self.columns.messages or self.columns.answer, messages)]
+        if "rejected" in extra:  # DPO tokenizes the rejected answer after the same prompt
+            rejected = {"role": "assistant", "content": extra["rejected"]}
+            branches.append((self.columns.rejected, [*messages[:-1], rejected]))
+        out: list[int | tuple[str, str]] = []
+        for answer_column, conversation in branches:
+            try:
+                out.append(len(self.tokenize(conversation, num_items, row_id)))
+            except self.errors as exc:
+                column = answer_column if self._answer_at_fault(conversation, num_items) else self.prompt_column
+                out.append((column, f"does not tokenize with {self.model!r}'s tokenizer as training would: "
+                                    f"{str(exc).removeprefix(f'row {row_id!r}: ')}"))
+                break
+        return out
+
+    def budgets_check(self, measured: list[int | tuple[str, str]], partition: str | None, row_id: str,
+                      position: int) -> None:
+        """Raise ``InvalidRow`` for ``measure``'s first failure: a branch that does not tokenize, or one over the
+        token budget of a stage that reads ``partition``; branch by branch, as training would meet them."""
+        for count in measured:
+            if isinstance(count, tuple):
+                raise InvalidRow(row_id, position, count[0], count[1], "prompt")
+            for stage, budget in self.budgets.get(partition or "", []):
+                if count > budget:
+                    raise InvalidRow(row_id, position, self.prompt_column,
+                                     f"{count} tokens with {self.model!r}'s tokenizer, expected at most "
+                                     f"stages.{stage}.token_budget={budget} (stage {stage} reads partition "
+                                     f"{partition!r})", "too-long")
+
+    def _answer_at_fault(self, conversation: list[dict[str, str]], num_items: int) -> bool:
+        """Whether the same prompt with a plain answer tokenizes (then the answer is what fails)."""
+        try:
+            self.tokenize([*conversation[:-1], {"role": "assistant", "content": "x"}], num_items)
+        except self.errors:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class MediaDecoder:
+    """One row's raw media values -> (hashes, items): path normalised and confined, fingerprinted, decoded by the
+    encoder's ``decode_item`` or turned into a fixed-shape tensor by its ``preprocess``. Picklable: prepare's
+    worker processes run it; a bad value comes back as ``(kind, reason)``, never raised across processes."""
+
+    paths: MediaPaths
+    decode: Callable[[Any], Any]
+    preprocess: Callable[[Any], Any] | None = None
+
+    def row(self, values: list[Any]) -> tuple[list[str], list[Any]] | tuple[str, str]:
+        hashes, items = [], []
+        for value in values:
+            try:
+                value = self.paths.item(value)
+                items.append(self.preprocess(value) if self.preprocess else self.decode(value))
+                hashes.append(media_fingerprint(value))
+            except _BadMedia as exc:
+                return exc.kind, str(exc)
+            except (ValueError, OSError) as exc:
+                return "corrupt-media", f"corrupt media ({exc})"
+            except TypeError as exc:
+                return "media-type", str(exc)
+        return hashes, items
+
+    def rows(self, chunk: list[list[Any] | None], slots: SharedSlots | None = None,
+             slot: int | None = None) -> tuple[list[Any], torch.Tensor | SlotRef | None]:
+        """Each row's result (None for a row given as None), packed for the trip back from a worker
+        (``stack_chunk``: with ``preprocess``, one stack per chunk, into ``slots``' slot ``slot`` when it fits)."""
+        return stack_chunk([None if values is None else self.row(values) for values in chunk], self.preprocess,
+                           slots, slot)
+
+
+RowJob = tuple[str, list[dict[str, str]], dict[str, str], list[Any]]  # id, messages, extra, raw media values
+
+
+@dataclass(frozen=True)
+class RowDecoder:
+    """What a decode worker does for each row, in the order the run judges it: tokenize its conversation
+    (``PromptCheck.measure``), then, unless that failed, normalise, fingerprint and decode its media
+    (``MediaDecoder``). Both are per-row work independent of the rows before, so they leave the main process;
+    only the token budgets, which depend on the row's partition (its ordinal among valid rows), stay there."""
+
+    prompts: PromptCheck
+    media: MediaDecoder
+
+    def rows(self, chunk: list[RowJob], slots: SharedSlots | None = None,
+             slot: int | None = None) -> tuple[list[Any], list[Any], Any, tuple[float, float]]:
+        """``(measured, media, stacked, (prompt_s, media_s))``: ``measure``'s answer per row, ``MediaDecoder.rows``'
+        answer (None for a row whose conversation does not tokenize) and the seconds each part took."""
+        started = time.perf_counter()
+        measured = [self.prompts.measure(messages, extra, len(values), row_id)
+                    for row_id, messages, extra, values in chunk]
+        tokenized = time.perf_counter()
+        media, stacked = self.media.rows([None if isinstance(m[-1], tuple) else job[3]
+                                          for m, job in zip(measured, chunk, strict=True)], slots, slot)
+        return measured, media, stacked, (tokenized - started, time.perf_counter() - tokenized)
+
+
+# -- shards ---------------------------------------------------------------------------------------------
+
+
+def preprocess_for(preprocess: Any, device: str, decode: str) -> Any:
+    """The encoder's preprocessing as this run uses it: with ``data.prepare.decode: device``, the variant its
+    ``on_device(device)`` offers for an encoder on ``device`` (CLIP's decodes JPEGs there), refused where it
+    offers none; with ``cpu``, the workers' own."""
+    if decode != "device":
+        return preprocess
+    on_device = getattr(preprocess, "on_device", None)
+    chosen = on_device(device) if callable(on_device) else preprocess
+    if chosen is preprocess:
+        raise PrepareError(
+            f"data.prepare.decode: device, but the encoder's preprocessing ({type(preprocess).__name__}) has no "
+            f"variant for device {device!r} (CLIP's needs a CUDA device, torchvision installed and a bilinear or "
+            f"bicubic processor); set "
+            f"data.prepare.decode: cpu"
+        )
+    return chosen
+
+
+def encoder_identity(spec: EncoderSpec, dtype: str, preprocess: Any = None) -> dict[str, Any]:
+    source = spec.source.identity()
+    identity = {
+        "encoder": spec.name,
+        "encoder_id": source["id"],
+        "encoder_revision": source["revision"],
+        "tokens": spec.tokens_per_item,
+        "width": spec.feature_width,
+        "dtype": dtype,
+    }
+    if preprocess is not None:  # features made through another preprocessing are other features
+        identity["preprocess"] = getattr(preprocess, "identity", type(preprocess).__qualname__)
+    return identity
+
+
+def shard_key(identity: Mapping[str, Any], item_hashes: Iterable[str]) -> str:
+    """The shard's file stem: a hash of the encoder identity and the ordered media hashes it encodes."""
+    payload = json.dumps({"format": SHARD_FORMAT, **identity, "items": list(item_hashes)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:40]
+
+
+def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any]) -> str:
+    """Write ``features`` to ``path`` atomically (a temp file in the same directory, then rename), and its sha256
+    beside it (``<name>.sha256``); returns the sha256 that readers verify before use."""
+    tmp = cache_temp_path(path)
+    # one metadata key: safetensors writes a multi-key map in random order, and shards must be byte-stable
+    meta = {SHARD_FORMAT: json.dumps(dict(metadata), sort_keys=True)}
+    try:
+        digest = write_tensor_file(tmp, SHARD_TENSOR, features, meta)
+        os.chmod(tmp, 0o644)  # readable like any other prepared file
+        write_digest(path, digest)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return digest
