@@ -103,16 +103,15 @@ class ExtraModels:
             register(spec)
 
 
+_HOST: Any = None  # the host the last install_host built: prepare() and train() resolve names through it
+
+
 def install_host(models: tuple[Any, ...] = ()) -> Any:
-    """The process's plugin host: installed plugins plus ``BenchPlugin`` (and ``models``); the stages resolve names
-    through it."""
-    try:
-        import stitch.host as host_module  # the host's home once the plugin package is split
-    except ImportError:
-        import stitch.plugins.host as host_module
-    host = load_plugins(extra={"stitch-bench": BenchPlugin, "stitch-bench-extra": ExtraModels(models)})
-    host_module._HOST = host
-    return host
+    """The plugin host the suites resolve names through: installed plugins plus ``BenchPlugin`` (and ``models``),
+    built as the CLI builds it and handed to prepare and the stages as their registry."""
+    global _HOST
+    _HOST = load_plugins(extra={"stitch-bench": BenchPlugin, "stitch-bench-extra": ExtraModels(models)})
+    return _HOST
 
 
 def jpeg_bytes(seed: int, size: tuple[int, int] = (560, 420)) -> bytes:
@@ -190,9 +189,12 @@ def device() -> str:
 def prepare(recipe_path: Path, run_dir: Path) -> Any:
     """`stitch prepare` in this process: the recipe's rows encoded once into run_dir/data."""
     from stitch.config.recipe import load_recipe
-    from stitch.data.prepare import prepare as run_prepare
+    from stitch.model.binding import ModelBinding
+    from stitch.stages.chain import prepare_data
 
-    return run_prepare(load_recipe(str(recipe_path)), run_dir / "data", device=device())
+    recipe = load_recipe(str(recipe_path), _HOST)
+    binding = ModelBinding.for_recipe(recipe, _HOST, device="cpu")
+    return prepare_data(recipe, binding, run_dir / "data", device=device(), progress=False)
 
 
 def train(recipe_path: Path, stage: str, run_dir: Path) -> list[dict[str, Any]]:
@@ -200,7 +202,7 @@ def train(recipe_path: Path, stage: str, run_dir: Path) -> list[dict[str, Any]]:
     from stitch.config.recipe import load_recipe
     from stitch.stages.loop import run_stage
 
-    summary = run_stage(load_recipe(str(recipe_path)), stage, run_dir, progress=False)
+    summary = run_stage(load_recipe(str(recipe_path), _HOST), stage, run_dir, registry=_HOST, progress=False)
     lines = Path(summary["metrics"]).read_text().splitlines()
     return [r for r in map(json.loads, lines) if not r.get("final")]
 
