@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call: install the carried .whl/ (benchmarks/pack_wheels.sh) into /tmp/site, register the checkout's
+# One GPU call: install the carried .whl/ and .whl-data/ (benchmarks/pack_wheels.sh) into /tmp/site, register the checkout's
 # plugins there (their dist-info, generated from pyproject.toml, so the plugin host finds them as installed wheels),
 # then run benchmarks/bench.py for each SUITE into $OUT (default /tmp/out) and copy RESULTS.md beside the JSONs.
 #   bash benchmarks/gpu.sh sft grpo              # device call with carry [".whl"]; extra bench.py options after --:
@@ -10,14 +10,17 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" "$SITE"
 suites=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-if [ ! -f "$SITE/.installed" ]; then
-  (cd .whl && sha256sum -c --quiet SHA256SUMS) || exit 1
-  if [ -f .whl/triton_rest.tar.xz ]; then  # a carry without Triton keeps the image's (fla then stays off)
-    tar xJf .whl/triton_rest.tar.xz -C "$SITE"
-    xz -dc .whl/libtriton.stripped.so.xz > "$SITE/triton/_C/libtriton.so"
+for carry in .whl .whl-data; do  # each carried folder once per machine (a warm machine keeps /tmp/site)
+  [ -d "$carry" ] && [ ! -f "$SITE/.installed$carry" ] || continue
+  (cd "$carry" && sha256sum -c --quiet SHA256SUMS) || exit 1
+  if [ -f "$carry/triton_rest.tar.xz" ]; then  # a carry without Triton keeps the image's (fla then stays off)
+    tar xJf "$carry/triton_rest.tar.xz" -C "$SITE"
+    xz -dc "$carry/libtriton.stripped.so.xz" > "$SITE/triton/_C/libtriton.so"
   fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl && touch "$SITE/.installed"
-fi
+  [ -f "$carry/pyarrow.tar.xz" ] && tar xJf "$carry/pyarrow.tar.xz" -C "$SITE"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$carry"/*.whl \
+    && touch "$SITE/.installed$carry"
+done
 python3 - "$SITE" <<'PY'
 import pathlib, sys, tomllib
 dest = pathlib.Path(sys.argv[1])
