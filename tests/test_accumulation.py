@@ -12,6 +12,7 @@ import torch
 from stitch_testing import copy_prepared, write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
+from stitch.host.host import get_host
 from stitch.model.checkpointing import CheckpointingError, decoder_layers, layer_kind
 from stitch.stages.loop import setup
 
@@ -20,7 +21,7 @@ def _one_step(recipe_path: Path, run: Path, stage: str) -> tuple[dict, dict[str,
     """One step of ``stage``: its metrics record and the gradients the optimizer received."""
     recipe = load_recipe(recipe_path)
     with ExitStack() as cleanup:
-        ctx = setup(recipe, stage, run, cleanup, resume=False, progress=False)
+        ctx = setup(recipe, stage, run, cleanup, resume=False, progress=False, registry=get_host())
         ctx.model.train()
         grads: dict[str, torch.Tensor] = {}
         update = ctx.update
@@ -91,7 +92,8 @@ def test_full_activation_checkpointing_recomputes_layers_and_gives_the_same_grad
     calls = []
     recipe = load_recipe(full)
     with ExitStack() as cleanup:  # count each layer's forward calls over one step: a checkpointed layer runs twice
-        ctx = setup(recipe, "alignment", _fresh(prepared, tmp_path / "b"), cleanup, resume=False, progress=False)
+        ctx = setup(recipe, "alignment", _fresh(prepared, tmp_path / "b"), cleanup, resume=False,
+                    progress=False, registry=get_host())
         layers = decoder_layers(ctx.model)
         assert layers and all(layer.gradient_checkpointing for layer in layers)
         hooks = [layer.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in layers]
@@ -112,7 +114,7 @@ def test_selective_checkpointing_covers_only_the_named_layer_kinds_of_a_hybrid_m
                           stages__alignment__activation_checkpointing=["linear_attention"])
     with ExitStack() as cleanup:
         ctx = setup(load_recipe(recipe), "alignment", _fresh(prepared, tmp_path / "a"), cleanup, resume=False,
-                    progress=False)
+                    progress=False, registry=get_host())
         layers = decoder_layers(ctx.model)
         kinds = {layer_kind(layer) for layer in layers}
         assert kinds == {"linear_attention", "full_attention"}
@@ -123,7 +125,7 @@ def test_checkpointing_a_layer_kind_the_model_lacks_is_refused_naming_the_kinds_
     recipe = write_recipe(tmp_path / "r.yaml", stages__alignment__activation_checkpointing=["moe"])
     with ExitStack() as cleanup, pytest.raises(CheckpointingError, match=r"stages\.alignment.*'moe'.*full_attention"):
         setup(load_recipe(recipe), "alignment", _fresh(prepared, tmp_path / "a"), cleanup, resume=False,
-              progress=False)
+              progress=False, registry=get_host())
 
 
 @pytest.mark.parametrize("value", [[], ["moe", "moe"], "some", 3])

@@ -39,8 +39,9 @@ def family_lm(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32
     from stitch.model.loading import load_model
     from stitch.model.stitched import StitchedModel
 
-    spec = load_plugins().get("models", name)
-    lm = load_model(spec, dtype=dtype).to(device)
+    host = load_plugins()
+    spec = host.get("models", name)
+    lm = load_model(spec, dtype=dtype, registry=host).to(device)
     lm.requires_grad_(False)
     torch.manual_seed(0)
     lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=list(spec.lora_target_modules),

@@ -62,8 +62,8 @@ from stitch.stages.loop import run_stage
 from stitch.host.host import get_host
 
 recipe = load_recipe(sys.argv[1])
-run_stage(recipe, "alignment", Path(sys.argv[2]), progress=False)
-run_stage(recipe, "sft", Path(sys.argv[3]), max_steps=2, progress=False)
+run_stage(recipe, "alignment", Path(sys.argv[2]), progress=False, registry=get_host())
+run_stage(recipe, "sft", Path(sys.argv[3]), max_steps=2, progress=False, registry=get_host())
 """
 
 

@@ -54,7 +54,7 @@ class WideTestModel:
 
 plugin_host._HOST = plugin_host.load_plugins(extra={"wide-test-model": WideTestModel()})
 for recipe, run in ((sys.argv[1], sys.argv[3]), (sys.argv[2], sys.argv[4])):
-    run_stage(load_recipe(recipe), "alignment", Path(run), progress=False)
+    run_stage(load_recipe(recipe), "alignment", Path(run), progress=False, registry=plugin_host._HOST)
 Path(sys.argv[5], f"rank{dist.get_rank()}.json").write_text(json.dumps(dict(zip(("meta", "whole"), grown))))
 """
 

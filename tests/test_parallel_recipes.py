@@ -29,7 +29,7 @@ def test_the_multi_gpu_recipes_are_shipped():
     shipped = set(load_plugins().names("recipes"))
     assert set(MULTI_GPU) <= shipped
     # every shipped recipe with a parallel section is listed here, so its layout is checked below
-    assert {n for n in shipped if load_recipe(n).parallel is not None} == set(MULTI_GPU)
+    assert {n for n in shipped if load_recipe(n, get_host()).parallel is not None} == set(MULTI_GPU)
 
 
 @pytest.mark.parametrize("name", sorted(MULTI_GPU))

@@ -26,7 +26,10 @@ GRPO_MOVING = {"stages__grpo__prompts_per_step": 4, "stages__grpo__group_size": 
 
 
 def _records(run: Path, stage: str) -> list[dict]:
-    return [json.loads(line) for line in (run / stage / "metrics.jsonl").read_text().splitlines()]
+    """Every metrics line without its wall-clock fields (seconds and rates differ between any two runs)."""
+    lines = (run / stage / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not (k.endswith("_s") or k == "tokens_per_s")}
+            for line in lines]
 
 
 def _step_dir(run: Path, stage: str, step: int) -> Path:

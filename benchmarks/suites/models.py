@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"shape": name + (" (narrow)" if tiny else ""), "figures": {
                 "SFT tok/s": round(sft["stitch_tokens_per_s"]), "stock tok/s": _round(sft["stock_tokens_per_s"]),
                 "vs stock": sft.get("vs_stock"), "MFU 6N": sft["mfu_6n"], "MFU LoRA": sft["mfu_lora"],
-                "SFT GiB": sft["peak_gib"], "rollout tok/s": round(grpo["rollout_tokens_per_s"]),
-                "generate tok/s": _round(grpo["generate_tokens_per_s"]), "rollout share": grpo["rollout_share"]}})
+                "SFT GiB": sft["peak_gib"], "rollout tok/s": _round(grpo.get("rollout_tokens_per_s")),
+                "generate tok/s": _round(grpo["generate_tokens_per_s"]), "rollout share": grpo.get("rollout_share")}})
     return {"models": results, "rows": rows}
 
 
@@ -142,30 +142,45 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
            "settings": dataclasses.asdict(settings), "peak_gib": sft_peak, **mfu(flops, stitch_tps),
            "stock_tokens_per_s": None}
     log(f"{name} sft: {json.dumps(sft)}")
-    reset_peak()
-    grpo_records = harness.train(recipe, "grpo", run_dir)
-    timed = grpo_records[1:] or grpo_records
-    parts = {k: statistics.median(r[k] for r in timed) for k in ("rollout_s", "logprob_s", "update_s", "refit_s")}
-    step_s = sum(parts.values())
-    grpo = {**parts, "step_s": step_s, "rollout_share": round(parts["rollout_s"] / step_s, 3),
-            "rollout_tokens_per_s": statistics.median(r["rollout_tokens"] / r["rollout_s"] for r in timed),
-            "peak_gib": peak_gib(), "generate_tokens_per_s": None}
-    log(f"{name} grpo: {json.dumps(grpo)}")
     gc.collect()
+    grpo: dict[str, Any] = {"generate_tokens_per_s": None}
     if not args.skip_stock:
         lm, tok = stock_lm(snapshot, spec, lora, settings, shape.dtype)
         stock = stock_sft(lm, tok, data, settings, args)
         sft.update(stock_tokens_per_s=stock["tokens_per_s"], stock_peak_gib=stock["peak_gib"],
                    vs_stock=round(stitch_tps / stock["tokens_per_s"], 3),
                    stock_mfu_6n=mfu(flops, stock["tokens_per_s"])["mfu_6n"])
-        gen = stock_generate(lm, tok, prompts * group, new_tokens, args)
-        grpo.update(generate_tokens_per_s=gen, rollout_vs_generate=round(grpo["rollout_tokens_per_s"] / gen, 2))
+        log(f"{name} stock sft: {json.dumps(stock)}")
+        grpo["generate_tokens_per_s"] = stock_generate(lm, tok, prompts * group, new_tokens, args)
         del lm
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    try:
+        grpo.update(stitch_grpo(recipe, run_dir))
+    except torch.OutOfMemoryError as exc:  # recorded with where the memory was, the other figures still stand
+        grpo["error"] = f"OutOfMemoryError: {str(exc)[:300]}"
+        grpo["memory"] = torch.cuda.memory_summary(abbreviated=True)[-3000:]
+        log(grpo["memory"])
+    if grpo.get("generate_tokens_per_s") and grpo.get("rollout_tokens_per_s"):
+        grpo["rollout_vs_generate"] = round(grpo["rollout_tokens_per_s"] / grpo["generate_tokens_per_s"], 2)
+    log(f"{name} grpo: {json.dumps({k: v for k, v in grpo.items() if k != 'memory'})}")
     result = {"snapshot": str(snapshot), "params": params, "trainable": trainable, "sft": sft, "grpo": grpo}
     log(f"{name}: {json.dumps(result)}")
     if not args.keep and not tiny and args.snapshots is not None:
         shutil.rmtree(snapshot, ignore_errors=True)
     return result
+
+
+def stitch_grpo(recipe: Path, run_dir: Path) -> dict[str, Any]:
+    """`stitch train grpo` after SFT: medians of the step parts over the steps after the first."""
+    reset_peak()
+    records = harness.train(recipe, "grpo", run_dir)
+    timed = records[1:] or records
+    parts = {k: statistics.median(r[k] for r in timed) for k in ("rollout_s", "logprob_s", "update_s", "refit_s")}
+    step_s = sum(parts.values())
+    return {**parts, "step_s": step_s, "rollout_share": round(parts["rollout_s"] / step_s, 3),
+            "rollout_tokens_per_s": statistics.median(r["rollout_tokens"] / r["rollout_s"] for r in timed),
+            "peak_gib": peak_gib()}
 
 
 def stock_lm(snapshot: Path, spec: Any, lora: dict[str, Any], settings: Settings, dtype: str) -> tuple[Any, Any]:
