@@ -161,13 +161,16 @@ def write_jpeg_rows(root: Path, n: int, unique: int = 256, words: tuple[int, int
     return rows
 
 
-def write_recipe(root: Path, shape: Shape, rows: Path, n: int, stages: dict[str, dict], **data: Any) -> Path:
-    """A recipe over ``rows`` (partitions: alignment, train, grpo, eval) for ``shape``; ``data`` adds data fields."""
+def write_recipe(root: Path, shape: Shape, rows: Path, n: int, stages: dict[str, dict], snapshot: Path | None = None,
+                 **data: Any) -> Path:
+    """A recipe over ``rows`` (partitions: alignment, train, grpo, eval) for ``shape``, its model read from the local
+    ``snapshot`` when given; ``data`` adds data fields."""
     import yaml
 
     quarter = max(8, n // 4 // 8 * 8)
     recipe = {
-        "name": f"bench-{shape.model}", "model": shape.model, "encoder": shape.encoder, "task": "counting",
+        "name": f"bench-{shape.model}", "encoder": shape.encoder, "task": "counting",
+        "model": shape.model if snapshot is None else {"name": shape.model, "snapshot": str(snapshot)},
         "data": {"source": {"path": str(rows), "format": "json"},
                  "columns": {"id": "id", "media": "image", "question": "question", "answer": "answer"},
                  "partitions": {"alignment": [0, quarter], "train": [quarter, 2 * quarter],

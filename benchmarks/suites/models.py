@@ -123,9 +123,7 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "grpo": {"partition": "grpo", "steps": 1 + grpo_steps, "prompts_per_step": prompts, "group_size": group,
                  "max_new_tokens": new_tokens, "micro_batch_size": 16, "temperature": 1.0, "lora": lora,
                  "activation_checkpointing": settings.checkpointing}}
-    recipe = harness.write_recipe(work, shape, data, n, stages)
-    text = recipe.read_text().replace(f"model: {model}\n", f"model: {{name: {model}, snapshot: {snapshot}}}\n", 1)
-    recipe.write_text(text)
+    recipe = harness.write_recipe(work, shape, data, n, stages, snapshot=snapshot)
     run_dir = work / "run"
     harness.prepare(recipe, run_dir)
     harness.train(recipe, "alignment", run_dir)

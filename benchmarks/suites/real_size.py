@@ -73,9 +73,7 @@ def one_model(host: Any, name: str, layers: int | None, width: int | None, args:
                       "token_budget": budget, "lora": lora},
               "grpo": {"partition": "grpo", "steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 16,
                        "lora": lora}}
-    recipe = harness.write_recipe(work, shape, rows, n, stages)
-    text = recipe.read_text().replace(f"model: {name}\n", f"model: {{name: {name}, snapshot: {snapshot}}}\n", 1)
-    recipe.write_text(text)
+    recipe = harness.write_recipe(work, shape, rows, n, stages, snapshot=snapshot)
     run_dir = work / "run"
     harness.prepare(recipe, run_dir)
     harness.train(recipe, "alignment", run_dir)
