@@ -1,7 +1,7 @@
 """The plugin API: hook marker, spec types and building blocks for registrations (see docs/plugin-api.md).
 
 Plugins import ``stitch.api`` and, for the kernels a model's layers call, ``stitch.accel``; the rest of ``stitch``
-is internal and may move between releases (``tests/test_hooks_used.py`` walks the first-party plugins and the
+is internal and may move between releases (``tests/plugins/test_hooks_used.py`` walks the first-party plugins and the
 template with ``ast`` for this).
 """
 

@@ -356,6 +356,7 @@ CLIP_B32 = EncoderSpec(
     decode_item=decode_image,
     load_preprocess=load_clip_preprocess,
     payload=PAYLOAD,
+    content_parts=("image_url",),
     description="OpenAI CLIP ViT-B/32 vision tower, penultimate-layer patch tokens",
 )
 
@@ -369,6 +370,7 @@ CLIP_TINY = EncoderSpec(
     decode_item=decode_image,
     load_preprocess=load_clip_preprocess,
     payload=PAYLOAD,
+    content_parts=("image_url",),
     description="random-init 2-layer CLIPVisionModel with ViT-B/32's 49 x 768 contract (tests)",
 )
 
@@ -387,5 +389,6 @@ CLIP_DEMO = EncoderSpec(
     decode_item=decode_image,
     load_preprocess=load_clip_preprocess,
     payload=DEMO_PAYLOAD,
+    content_parts=("image_url",),
     description="random-init 2-layer CLIPVisionModel on ViT-B/32's 49-patch grid, 256 wide (the CPU demo)",
 )

@@ -34,7 +34,7 @@ def host():
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, stitch_cache):
     """A small prepared run directory (the demo base, tiny CLIP) with a finished alignment stage."""
-    from stitch_testing import prepare_resolved, write_recipe
+    from tests.stitch_testing import prepare_resolved, write_recipe
 
     from stitch.config.recipe import load_recipe
     from stitch.stages.loop import run_stage
@@ -51,7 +51,7 @@ def sft_run(prepared, tmp_path_factory):
     """``prepared`` plus a 4-step SFT stage: a donor for GRPO, DPO and inference tests."""
     import shutil
 
-    from stitch_testing import write_recipe
+    from tests.stitch_testing import write_recipe
 
     from stitch.config.recipe import load_recipe
     from stitch.stages.loop import run_stage

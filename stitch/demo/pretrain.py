@@ -6,7 +6,7 @@ is filled with one word per image cell (``.`` for an empty cell, a colour word f
 and the answer counts the colour words. Stitching then only has to present each image patch as such a word.
 
 The build is deterministic: one intra-op thread and deterministic kernels, so every build writes the same
-bytes (``tests/test_demo_base.py`` builds twice).
+bytes (``tests/demo/test_demo_base.py`` builds twice).
 """
 
 from __future__ import annotations

@@ -109,6 +109,9 @@ class EncoderSpec:
     payload: str | None = None
     description: str = ""
     load_preprocess: Callable[[ModelSource], Callable[[Any], Any] | None] | None = None
+    # The OpenAI chat content-part types whose value ``decode_item`` takes in ``stitch serve``: ``image_url``,
+    # ``input_audio``, ``video_url`` or a part type the plugin names. Empty: the encoder cannot be served.
+    content_parts: tuple[str, ...] = ()
 
     def preprocess(self) -> Callable[[Any], Any] | None:
         """This encoder's fixed-shape preprocessing for its own source (``load_preprocess``), or None: what

@@ -1,0 +1,49 @@
+"""benchmarks/bench.py on CPU with the tiny presets: the sft and real-size suites run the product end to end and
+write their JSON with every headline figure a positive number (a broken suite fails here, not on the GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench(tmp_path: Path, *argv: str) -> dict:
+    proc = subprocess.run([sys.executable, "benchmarks/bench.py", *argv, "--shape", "tiny", "--out",
+                           str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "out" / f"{argv[0]}.json").read_text())
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+@pytest.mark.slow
+def test_the_sft_suite_writes_positive_stitch_stock_and_llava_figures_and_a_results_table(tmp_path):
+    result = bench(tmp_path, "sft", "--steps", "2", "--warmup", "1")
+    for mode in ("stitch", "stock", "llava"):
+        assert positive(result[mode]["tokens_per_s"]) and positive(result[mode]["tokens_per_step"]), mode
+    assert positive(result["ratios"]["stitch_vs_stock"]) and positive(result["ratios"]["stitch_vs_llava"])
+    flops = result["model"]["flops_per_token"]
+    assert 0 < flops["lora"] < flops["6n"]  # frozen weights have no weight-gradient GEMM
+    assert result["machine"]["torch"] and result["command"] and result["utc"]
+    table = (tmp_path / "out" / "RESULTS.md").read_text()
+    assert "| sft | tiny |" in table
+
+
+@pytest.mark.slow
+def test_the_real_size_suite_runs_snapshot_prepare_sft_and_grpo_on_a_narrowed_moe(tmp_path):
+    result = bench(tmp_path, "real-size", "--steps", "1", "--warmup", "1")
+    model = result["models"]["qwen3.6-35b-a3b"]
+    assert positive(model["sft"]["tokens_per_s"]) and positive(model["grpo"]["step_s"])
+    assert positive(model["grpo"]["rollout_tokens"])
+    assert 0 < model["params"]["active"] < model["params"]["matmul_total"]  # routed experts count top-k of E

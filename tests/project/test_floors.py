@@ -1,0 +1,58 @@
+"""The package's floors point down: the ground floor (stitch.plugins) and the kernels import nothing above them, and
+the plugin host is resolved only by the CLI (walked with ``ast``, imports inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "stitch"
+
+
+def stitch_imports(path: Path) -> list[str]:
+    """Every ``stitch.*`` module a file imports, in functions too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append(node.module)
+    return [name for name in found if name.startswith("stitch.")]
+
+
+def reaches_above(subpackage: str, allowed: set[str]) -> dict[str, list[str]]:
+    files = sorted((PACKAGE / subpackage).rglob("*.py"))
+    assert files, subpackage
+    return {str(p.relative_to(PACKAGE)): bad for p in files
+            if (bad := [m for m in stitch_imports(p) if m.split(".")[1] not in allowed])}
+
+
+def test_the_ground_floor_stitch_plugins_imports_nothing_else_of_stitch():
+    assert reaches_above("plugins", {"plugins"}) == {}
+
+
+def test_the_kernels_import_nothing_above_config():
+    assert reaches_above("kernels", {"kernels", "plugins", "config"}) == {}
+
+
+def test_config_is_pure_schema_importing_only_the_ground_floor():
+    assert reaches_above("config", {"config", "plugins"}) == {}
+
+
+def test_the_plugin_host_is_resolved_only_in_the_cli():
+    calls = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.is_relative_to(PACKAGE / "cli") or path.is_relative_to(PACKAGE / "host"):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        named = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name | ast.Attribute | ast.alias)
+                 and "get_host" in (getattr(n, "id", None), getattr(n, "attr", None), getattr(n, "name", None))]
+        if named:
+            calls[str(path.relative_to(PACKAGE))] = named
+    assert calls == {}, f"get_host below the CLI: {calls}"
+
+
+def test_the_host_is_imported_only_by_the_cli_and_the_plugin_api():
+    users = {str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
+             if not p.is_relative_to(PACKAGE / "host") and any(m.startswith("stitch.host") for m in stitch_imports(p))}
+    assert {u for u in users if not u.startswith("cli/")} <= {"api.py"}, users
