@@ -5,7 +5,8 @@
 #     symbols and xz-compressed on its own, the rest of the wheel minus what a training run never loads (Blackwell
 #     ptxas, CUPTI/proton profiler libraries, instrumentation, nvdisasm) as one tar.xz: ~45 MB, not 189 MiB;
 #   - flash-linear-attention / fla-core 0.6.0 (pure Python + Triton), liger-kernel (fused norms, SwiGLU, RoPE and
-#     linear cross-entropy), pydantic + pydantic-core (stitch's recipe), as wheels.
+#     linear cross-entropy), pydantic + pydantic-core (stitch's recipe), datasets and the pure-Python part of its
+#     stack (stitch prepare; the image's pyarrow and pandas serve it), as wheels.
 # Run from the repo root:  bash benchmarks/pack_wheels.sh   (needs pip, unzip, strip, xz; ~10 min of xz)
 set -euo pipefail
 ROOT=$(pwd); W=$(mktemp -d); OUTD=$ROOT/.whl
@@ -15,7 +16,8 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$W" triton==3.7.1
 mkdir -p "$OUTD" "$W/tri"
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$OUTD" fla-core==0.6.0 flash-linear-attention==0.6.0 \
-  liger-kernel pydantic pydantic-core annotated-types typing-inspection
+  liger-kernel pydantic pydantic-core annotated-types typing-inspection \
+  datasets dill multiprocess fsspec xxhash
 (cd "$W/tri" && unzip -q "$W"/triton-3.7.1-*.whl -x 'triton/_C/libtriton.so' \
   'triton/backends/nvidia/bin/ptxas-blackwell' 'triton/backends/nvidia/lib/cupti/*' 'triton/_C/libproton.so' \
   'triton/instrumentation/*' 'triton/backends/nvidia/bin/nvdisasm' \

@@ -83,6 +83,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"models": results, "rows": rows}
 
 
+def allocated_gib() -> float | None:
+    """What live tensors hold now: what a stage left behind when read between stages."""
+    return round(torch.cuda.memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
+
+
 def _round(value: float | None) -> int | None:
     return None if value is None else round(value)
 
@@ -141,7 +146,15 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
            "stock_tokens_per_s": None}
     log(f"{name} sft: {json.dumps(sft)}")
     gc.collect()
-    grpo: dict[str, Any] = {"generate_tokens_per_s": None}
+    grpo: dict[str, Any] = {"generate_tokens_per_s": None, "allocated_gib_before": allocated_gib()}
+    try:  # stitch's GRPO before stock loads anything: its peak is its own
+        grpo.update(stitch_grpo(recipe, run_dir))
+    except torch.OutOfMemoryError as exc:  # recorded with where the memory was, the other figures still stand
+        grpo["error"] = f"OutOfMemoryError: {str(exc)[:300]}"
+        grpo["memory"] = torch.cuda.memory_summary(abbreviated=True)[-3000:]
+        log(grpo["memory"])
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if not args.skip_stock:
         lm, tok = stock_lm(snapshot, spec, lora, settings, shape.dtype)
         stock = stock_sft(lm, tok, data, settings, args)
@@ -153,12 +166,6 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         del lm
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    try:
-        grpo.update(stitch_grpo(recipe, run_dir))
-    except torch.OutOfMemoryError as exc:  # recorded with where the memory was, the other figures still stand
-        grpo["error"] = f"OutOfMemoryError: {str(exc)[:300]}"
-        grpo["memory"] = torch.cuda.memory_summary(abbreviated=True)[-3000:]
-        log(grpo["memory"])
     if grpo.get("generate_tokens_per_s") and grpo.get("rollout_tokens_per_s"):
         grpo["rollout_vs_generate"] = round(grpo["rollout_tokens_per_s"] / grpo["generate_tokens_per_s"], 2)
     log(f"{name} grpo: {json.dumps({k: v for k, v in grpo.items() if k != 'memory'})}")
