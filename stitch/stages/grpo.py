@@ -45,10 +45,16 @@ def grpo_loss(lp: torch.Tensor, old_lp: torch.Tensor, ref_lp: torch.Tensor, adv:
     return per_seq.mean(), kl
 
 
+WIDTH_MULTIPLE = 64  # padded widths of a step round up to this: a few shapes across steps, not one per step
+
+
 def micro_batches(samples: list[list[Sample]], pad_id: int, size: int | None,
                   device: torch.device | str) -> tuple[list[range], list[Any]]:
-    """The step's sequences as padded batches of at most ``size`` rows (None: one batch), all one width."""
-    width = max(len(pack[0]) for pack in samples)
+    """The step's sequences as padded batches of at most ``size`` rows (None: one batch), all one width: the
+    longest sequence rounded up to ``WIDTH_MULTIPLE``, so that kernels tuned or captured for a shape (Triton
+    autotuning, CUDA graphs of the LoRA blocks) see it again on later steps instead of a new width every step."""
+    longest = max(len(pack[0]) for pack in samples)
+    width = -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
     size = size or len(samples)
     chunks = [range(i, min(i + size, len(samples))) for i in range(0, len(samples), size)]
     batches = [collate_packs([samples[i] for i in chunk], pad_id, packed=False, length=width).to(device)
