@@ -141,6 +141,7 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     flops = flops_per_token(params["active"], trainable)
     stitch_tps = harness.median_after(sft_records, "tokens_per_s", args.warmup)
     sft = {"stitch_tokens_per_s": stitch_tps, "stitch_stage_tokens_per_s": summary.get("tokens_per_s"),
+           "stitch_stage_steady_tokens_per_s": summary.get("steady_tokens_per_s"),
            "tokens_per_optimizer_step": harness.median_after(sft_records, "tokens", args.warmup),
            "settings": dataclasses.asdict(settings), "peak_gib": sft_peak, **mfu(flops, stitch_tps),
            "stock_tokens_per_s": None}

@@ -9,6 +9,7 @@ same global batch and trains on its share; the loss is normalised by the global 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import Any
 
@@ -19,6 +20,7 @@ from stitch.model.loading import packs_loaded
 from stitch.stages.loop import Stage, StageContext
 
 log = logging.getLogger("stitch")
+WARMUP_STEPS = 3  # first steps pay for compiling, autotuning and capturing: the steady rate starts after them
 
 
 class AlignmentStage(Stage):
@@ -105,8 +107,17 @@ class AlignmentStage(Stage):
         elapsed = time.perf_counter() - ctx.t_start
         fills = [r["pack_fill"] for r in history if "pack_fill" in r]
         return {"tokens_per_s": round(self.tokens_seen / elapsed, 1) if elapsed > 0 else None,
+                "steady_tokens_per_s": steady_rate(history),
                 "packed": self.packed,
                 "mean_pack_fill": round(sum(fills) / len(fills), 4) if fills else None}
+
+
+def steady_rate(history: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> float | None:
+    """The median of the per-step ``tokens_per_s`` after the first ``warmup`` steps (all of them when the stage
+    ran fewer): the rate a longer run settles at, beside the stage's whole-run average."""
+    rates = [r["tokens_per_s"] for r in history if "tokens_per_s" in r]
+    rates = rates[warmup:] or rates
+    return round(statistics.median(rates), 1) if rates else None
 
 
 class SFTStage(AlignmentStage):
