@@ -116,7 +116,9 @@ def test_openai_client_gets_stitch_infers_answer_streamed_or_not_with_usage(clie
 
 def test_concurrent_clients_share_decode_steps_and_get_their_sequential_answers(client, server):
     colors = [(200, 40, 40), (40, 200, 40), (40, 40, 200), (200, 200, 40), (40, 200, 200), (200, 40, 200)]
-    requests = [[_user(_image_part(_png(color=c)), QUESTION)] for c in colors]
+    questions = [QUESTION, "Describe the image.", f"{QUESTION} Count every shape, small or large."]
+    # prompts of different lengths: a batch left-pads them, which must not change any answer
+    requests = [[_user(_image_part(_png(color=c)), questions[i % 3])] for i, c in enumerate(colors)]
     sequential = [_ask(client, m) for m in requests]
     before = _health(server)["batches"]
     answers: list[str | None] = [None] * len(requests)
