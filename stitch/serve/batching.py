@@ -1,10 +1,6 @@
-"""Step-level batching for `stitch serve`: one thread decodes every waiting request's choices together.
-
-Requests queue up while a batch decodes; when it ends, the thread takes all waiting requests (up to ``max_rows``
-choices) into the next batch: one prefill over their left-padded prompt embeddings, then one LM forward per step
-for all rows, each row sampled with its own temperature, top-p and generator (a request's ``seed`` makes its
-answer independent of what it was batched with). Each new piece of text reaches its request through ``emit``.
-"""
+"""Step-level batching for `stitch serve`: one thread prefills all waiting requests' choices together, then runs one
+LM forward per step for every row, each sampled with its own temperature, top-p and generator (a request's ``seed``
+makes its answer independent of its batch mates); new text reaches each request through ``emit`` as it decodes."""
 
 from __future__ import annotations
 

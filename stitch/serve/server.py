@@ -1,12 +1,6 @@
-"""`stitch serve`: an OpenAI-compatible chat-completions endpoint over one loaded checkpoint.
-
-Starlette (through FastAPI) on uvicorn: an asyncio server holds thousands of idle or slow connections for the
-price of a coroutine each (a thread-per-connection server holds a thread), and it speaks HTTP/1.1 keep-alive and
-server-sent events as the openai client expects. Generation runs in one batching thread (``stitch.serve.batching``):
-concurrent requests share decode steps. Every request is bounded before heavy work: body size (checked against
-Content-Length before reading, counted while reading), the time to send headers and body, JSON nesting, media
-count and image pixels (from the header), tokens, choices; every error is an OpenAI-shaped JSON body.
-"""
+"""`stitch serve`: an OpenAI-compatible chat-completions endpoint over one loaded checkpoint, on Starlette (FastAPI)
+and uvicorn, every request bounded before heavy work (docs/serving.md lists the limits and why this stack); generation
+runs in one batching thread (``stitch.serve.batching``), so concurrent requests share decode steps."""
 
 from __future__ import annotations
 
