@@ -9,4 +9,5 @@ SUITES: dict[str, str] = {
     "encode": "benchmarks.suites.encode",
     "real-size": "benchmarks.suites.real_size",
     "models": "benchmarks.suites.models",
+    "serve": "benchmarks.suites.serve",
 }

@@ -93,23 +93,34 @@ def export(
 @app.command()
 def serve(
     checkpoint: Path = typer.Argument(..., help="A run directory, or " + _CHECKPOINT_HELP),
-    host: str = typer.Option("127.0.0.1", "--host"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback by default)."),
     port: int = typer.Option(8000, "--port"),
-    engine: str = typer.Option("embedded", "--engine", help="A registered rollout engine."),
     model_name: str = typer.Option(None, "--model-name", help="The id clients send (default: the base model's name)."),
     max_image_pixels: int = typer.Option(40_000_000, "--max-image-pixels", help="Refuse larger images (400)."),
+    max_request_mib: float = typer.Option(32, "--max-request-mib", help="Refuse larger request bodies (413)."),
+    max_batch: int = typer.Option(32, "--max-batch", help="Most sequences decoded together in one batch."),
+    request_timeout: float = typer.Option(600, "--request-timeout", help="Seconds a generation may take (504)."),
+    header_timeout: float = typer.Option(10, "--header-timeout",
+                                         help="Seconds a connection may stay open without sending request headers."),
+    body_timeout: float = typer.Option(30, "--body-timeout", help="Seconds a request body may take to arrive (408)."),
 ) -> None:
-    """Serve a checkpoint over an OpenAI-compatible API: GET /v1/models, POST /v1/chat/completions."""
+    """Serve a checkpoint over an OpenAI-compatible API: POST /v1/chat/completions (streaming, n, sampling, several
+    media per message, multi-turn), GET /v1/models, GET /health; concurrent requests are batched."""
     from stitch.host.host import get_host
-    from stitch.serve.server import serve as run_server
+    from stitch.serve.chat import Limits
 
-    def ready(server) -> None:
-        address = f"http://{server.server_address[0]}:{server.server_address[1]}/v1"
-        console.print(f"serving {server.model_name!r} at {address}", highlight=False)
+    try:
+        from stitch.serve.server import ServeLimits  # optional: the [serve] extra (fastapi, uvicorn)
+        from stitch.serve.server import serve as run_server  # optional: the [serve] extra
+    except ModuleNotFoundError as exc:
+        err_console.print(f"stitch serve needs the serve extra: pip install 'stitch-lm[serve]' ({exc})")
+        raise typer.Exit(2) from exc
 
-    run_server(_checkpoint_of(checkpoint), get_host(), host=host, port=port, engine=engine,
-               model_name=model_name,
-               max_pixels=max_image_pixels, ready=ready)
+    limits = ServeLimits(max_request_bytes=int(max_request_mib * 2**20), header_timeout_s=header_timeout,
+                         body_timeout_s=body_timeout, request_timeout_s=request_timeout, max_batch_rows=max_batch,
+                         chat=Limits(max_image_pixels=max_image_pixels))
+    run_server(_checkpoint_of(checkpoint), get_host(), host=host, port=port, model_name=model_name, limits=limits,
+               ready=lambda url: console.print(f"serving at {url}", highlight=False))
 
 
 def _checkpoint_of(path: Path) -> Path:

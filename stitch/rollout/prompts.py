@@ -8,11 +8,13 @@ are the soft tokens spliced into the prompt's text embeddings. Engines receive n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from stitch.data.sentinels import SentinelIds
 from stitch.model.scatter import scatter_soft_tokens
 from stitch.plugins.registry import Registry
 from stitch.plugins.specs import EncoderSpec, RolloutPayloadSpec
@@ -33,6 +35,68 @@ def payload_for(registry: Registry, encoder: EncoderSpec) -> RolloutPayloadSpec:
         raise LookupError(f"encoder {encoder.name!r} (modality {encoder.modality!r}) names the rollout payload "
                           f"{payload.name!r}, which carries modality {payload.modality!r}")
     return payload
+
+
+class MediaSlot:
+    """Where one media item stands in a message's content (``MEDIA``)."""
+
+    def __repr__(self) -> str:
+        return "MEDIA"
+
+
+MEDIA = MediaSlot()
+Content = str | Sequence[str | MediaSlot]
+_MARK = re.compile("\ue000(\\d+)\ue001")  # private-use code points: never in a tokenizer's special tokens
+
+
+def _joined(content: Content, mark: Any) -> str:
+    """One message's content with every piece marked: a newline between a text piece and its neighbours, media
+    items of one run adjacent (so ``[MEDIA, MEDIA, text]`` renders as ``prompt_token_ids`` renders two items)."""
+    pieces = [content] if isinstance(content, str) else list(content)
+    out, previous = [], None
+    for piece in pieces:
+        media = isinstance(piece, MediaSlot)
+        if previous is not None and not (media and previous):
+            out.append("\n")
+        out.append(mark(piece))
+        previous = media
+    return "".join(out)
+
+
+def conversation_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], sentinels: SentinelIds,
+                            tokens_per_item: int) -> list[int]:
+    """A whole conversation's prompt ids, each media item's sentinel block where its ``MEDIA`` slot stands: the
+    chat template's markup tokenized as usual, message text tokenized with ``split_special_tokens`` (as
+    ``stitch.data.collator.prompt_token_ids`` does; a one-turn ``[MEDIA x k, question]`` gives its exact ids for
+    ``k`` items). Serving renders multi-turn, several-media chats here."""
+    block = [sentinels.start, *[sentinels.placeholder] * tokens_per_item, sentinels.end]
+    pieces: list[list[int] | str] = []
+
+    def mark(piece: str | MediaSlot) -> str:
+        pieces.append(block if isinstance(piece, MediaSlot) else piece)
+        return f"\ue000{len(pieces) - 1}\ue001"
+
+    marked = [{"role": m["role"], "content": _joined(m["content"], mark)} for m in messages]
+    rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    ids: list[int] = []
+    position, seen = 0, []
+    for match in _MARK.finditer(rendered):
+        ids += _tokens(tokenizer, rendered[position : match.start()], markup=True)
+        seen.append(int(match.group(1)))
+        piece = pieces[seen[-1]]
+        ids += piece if isinstance(piece, list) else _tokens(tokenizer, piece, markup=False)
+        position = match.end()
+    ids += _tokens(tokenizer, rendered[position:], markup=True)
+    if sorted(seen) != list(range(len(pieces))):
+        raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} dropped or repeated "
+                         f"message content ({len(pieces)} pieces, rendered {len(seen)})")
+    return ids
+
+
+def _tokens(tokenizer: Any, text: str, *, markup: bool) -> list[int]:
+    if not text:
+        return []
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=not markup)["input_ids"]
 
 
 def build_payload(payload: RolloutPayloadSpec, row_id: str, features: torch.Tensor,

@@ -1,205 +1,309 @@
-"""`stitch serve`: an OpenAI-compatible HTTP endpoint over one loaded checkpoint.
-
-``GET /v1/models`` lists the served model; ``POST /v1/chat/completions`` takes OpenAI chat messages whose user
-turn holds text parts and one ``image_url`` part (a base64 ``data:`` URL). The model stays loaded: each request
-runs the recipe's encoder once on the image, projects it, and generates from prompt embeddings with the
-checkpoint's engine, exactly as ``stitch infer`` does. A malformed request gets a 4xx JSON error in OpenAI's
-shape and the server keeps serving.
-"""
+"""`stitch serve`: an OpenAI-compatible chat-completions endpoint over one loaded checkpoint, on Starlette (FastAPI)
+and uvicorn, every request bounded before heavy work (docs/serving.md lists the limits and why this stack); generation
+runs in one batching thread (``stitch.serve.batching``), so concurrent requests share decode steps."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
+import asyncio
 import json
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
 from stitch.plugins.registry import Registry
+from stitch.rollout.prompts import conversation_prompt_ids, payload_for, prompt_embeddings
+from stitch.serve.batching import Batcher, Job
+from stitch.serve.chat import ChatRequest, Limits, RequestError, bad, parse_chat_request
 from stitch.serve.inference import Stitched
 
-MAX_REQUEST_BYTES = 32 * 2**20
-MAX_IMAGE_PIXELS = 40_000_000
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one connection and one request may cost."""
+
+    max_request_bytes: int = 32 * 2**20
+    header_timeout_s: float = 10.0  # connect -> complete request headers; also an idle connection's life
+    body_timeout_s: float = 30.0  # headers -> complete body
+    request_timeout_s: float = 600.0  # a whole generation
+    max_connections: int = 1024
+    max_batch_rows: int = 32
+    chat: Limits = Limits()
 
 
-class RequestError(Exception):
-    """A client error: HTTP status, OpenAI error type and a message naming the field at fault."""
+class ServedModel:
+    """A loaded checkpoint as the server uses it: requests become prompt embeddings (media encoded once each, the
+    conversation rendered by ``conversation_prompt_ids``), decoded by the batcher."""
 
-    def __init__(self, status: HTTPStatus, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.status.phrase.lower().replace(" ", "_")}}
-
-
-def decode_data_url(url: Any, max_pixels: int = MAX_IMAGE_PIXELS) -> bytes:
-    """The image bytes of a ``data:image/...;base64,`` URL; refuses other URLs, bad base64, non-images and images
-    over ``max_pixels``."""
-    field = "messages[].content[].image_url.url"
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"{field}: expected a base64 data URL "
-                           f"(data:image/png;base64,...), got {str(url)[:40]!r}; remote URLs are not fetched",
-                           param=field)
-    header, _, payload = url.partition(",")
-    if not header.endswith(";base64"):
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"{field}: expected ';base64' data, got header {header!r}",
-                           param=field)
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"{field}: invalid base64 ({exc})", param=field) from exc
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(raw)) as image:  # reads the header only: size before any decode
-            width, height = image.size
-    except (UnidentifiedImageError, OSError) as exc:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"{field}: not a readable image ({exc})", param=field) from exc
-    if width * height > max_pixels:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"{field}: image is {width}x{height} = {width * height:,} "
-                           f"pixels; this server accepts at most {max_pixels:,}", param=field)
-    return raw
-
-
-def parse_chat_request(body: dict[str, Any], model_name: str, max_pixels: int = MAX_IMAGE_PIXELS
-                       ) -> tuple[bytes, str, int]:
-    """(image bytes, question text, max new tokens) from an OpenAI chat-completions request body."""
-    if not isinstance(body, dict):
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"request body: expected a JSON object, got {type(body).__name__}")
-    model = body.get("model")
-    if model != model_name:
-        raise RequestError(HTTPStatus.NOT_FOUND, f"model {model!r} does not exist; this server serves "
-                           f"{model_name!r} (GET /v1/models)", kind="invalid_request_error", param="model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(HTTPStatus.BAD_REQUEST, "messages: expected a non-empty list", param="messages")
-    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-    if not users:
-        raise RequestError(HTTPStatus.BAD_REQUEST, "messages: no user message", param="messages")
-    content = users[-1].get("content")
-    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    if not isinstance(parts, list):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "messages[-1].content: expected a string or a list of parts",
-                           param="messages")
-    texts, images = [], []
-    for part in parts:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            texts.append(str(part.get("text", "")))
-        elif kind == "image_url":
-            url = part.get("image_url")
-            images.append(url.get("url") if isinstance(url, dict) else url)
-        else:
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"messages[-1].content: unsupported part {kind!r}; "
-                               f"expected 'text' or 'image_url'", param="messages")
-    if len(images) != 1:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"messages[-1].content: expected exactly one image_url part, "
-                           f"got {len(images)}", param="messages")
-    question = "\n".join(t for t in texts if t).strip()
-    if not question:
-        raise RequestError(HTTPStatus.BAD_REQUEST, "messages[-1].content: no text question", param="messages")
-    limit = body.get("max_completion_tokens", body.get("max_tokens", 64))
-    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 4096:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"max_tokens: expected an integer in [1, 4096], got {limit!r}",
-                           param="max_tokens")
-    return decode_data_url(images[0], max_pixels), question, limit
-
-
-class ChatServer(ThreadingHTTPServer):
-    """Holds the loaded model; requests are answered one generation at a time."""
-
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], stitched: Any, model_name: str,
-                 max_pixels: int = MAX_IMAGE_PIXELS, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
-        super().__init__(address, ChatHandler)
+    def __init__(self, stitched: Stitched, model_name: str, max_batch_rows: int) -> None:
         self.stitched, self.model_name = stitched, model_name
-        self.max_pixels, self.max_request_bytes = max_pixels, max_request_bytes
-        self.lock = threading.Lock()
-        self.created = int(time.time())
+        binding = stitched.binding
+        self.encoder = binding.encoder_spec
+        self.registered = [binding.registry.get("encoders", n) for n in binding.registry.names("encoders")]
+        self.payload = payload_for(binding.registry, self.encoder)
+        self.lock = threading.Lock()  # the encoder and the prompt embedding: one request at a time
+        self.batcher = Batcher(stitched.model.lm, stitched.tokenizer, stitched.tokenizer.eos_token_id,
+                               binding.pad_id, binding.suppress_ids, max_rows=max_batch_rows)
 
-    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        image, question, limit = parse_chat_request(body, self.model_name, self.max_pixels)
+    def parse(self, body: Any, limits: Limits) -> ChatRequest:
+        return parse_chat_request(body, self.model_name, self.encoder, self.registered, limits)
+
+    @torch.no_grad()
+    def embed(self, request: ChatRequest) -> tuple[torch.Tensor, int]:
+        """(prompt embeddings ``[prompt_len, hidden]``, prompt tokens counting each soft token)."""
+        binding = self.stitched.binding
+        spec = self.encoder
+        ids = conversation_prompt_ids(self.stitched.tokenizer, request.messages, binding.sentinel_ids,
+                                      spec.tokens_per_item)
         with self.lock:
-            try:
-                text = self.stitched.answer(image, question, max_new_tokens=limit)
-            except ValueError as exc:  # the encoder refused the item
-                raise RequestError(HTTPStatus.BAD_REQUEST, f"image: {exc}", param="messages") from exc
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-        }
+            features = []
+            for part in request.media:
+                try:
+                    features.append(self.stitched.encode(part.data))
+                except ValueError as exc:  # the encoder refused the item
+                    raise bad(f"{part.field}.{part.kind}: {exc}", part.field) from exc
+            stacked = (torch.cat(features) if features
+                       else torch.zeros(0, spec.tokens_per_item, spec.feature_width))
+            (embeds,) = prompt_embeddings(self.payload, self.stitched.model, [("request", ids, stacked)])
+        return embeds, len(ids)
 
 
-class ChatHandler(BaseHTTPRequestHandler):
-    server: ChatServer
-    protocol_version = "HTTP/1.1"
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a header deadline: a connection that has not sent a whole request's
+    headers ``header_timeout_s`` after it opened (or after its last response) is closed, so idle and slow-header
+    clients cannot hold connections."""
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        pass
+    header_timeout_s = 10.0
 
-    def _send(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        if self.path.rstrip("/") == "/v1/models":
-            self._send(HTTPStatus.OK, {"object": "list", "data": [
-                {"id": self.server.model_name, "object": "model", "created": self.server.created,
-                 "owned_by": "stitch"}]})
-        elif self.path.rstrip("/") == "/health":
-            self._send(HTTPStatus.OK, {"status": "ok"})
-        else:
-            self._send(HTTPStatus.NOT_FOUND, RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}").body())
+    def _arm_header_deadline(self) -> None:
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._header_deadline_passed)
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+    def _header_deadline_passed(self) -> None:
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before and self.cycle is not None:
+            self._header_deadline.cancel()  # headers complete: the body and the request have their own limits
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._header_deadline.cancel()
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._header_deadline.cancel()
+        super().connection_lost(exc)
+
+
+def error_response(error: RequestError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def read_body(receive: Callable[[], Awaitable[dict]], limits: ServeLimits) -> bytes:
+    """The request body, refused with 413 once it passes the cap (nothing past it is kept) and 408 when it takes
+    longer than ``body_timeout_s``."""
+    chunks, size = [], 0
+    deadline = time.monotonic() + limits.body_timeout_s
+    while True:
         try:
-            if self.path.rstrip("/") != "/v1/chat/completions":
-                raise RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}")
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > self.server.max_request_bytes:
-                self.close_connection = True  # the body is not read: do not reuse this connection
-                raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body is {length:,} bytes; "
-                                   f"this server accepts at most {self.server.max_request_bytes:,}")
-            try:
-                body = json.loads(self.rfile.read(length) or b"null")
-            except json.JSONDecodeError as exc:
-                raise RequestError(HTTPStatus.BAD_REQUEST, f"request body is not JSON ({exc})") from exc
-            self._send(HTTPStatus.OK, self.server.complete(body))
+            message = await asyncio.wait_for(receive(), timeout=max(deadline - time.monotonic(), 0.001))
+        except TimeoutError:
+            raise RequestError(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive within "
+                               f"{limits.body_timeout_s:g} s") from None
+        if message["type"] == "http.disconnect":
+            raise RequestError(HTTPStatus.BAD_REQUEST, "the client disconnected while sending the body")
+        size += len(message.get("body", b""))
+        if size > limits.max_request_bytes:
+            raise too_large(size, limits)
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def too_large(size: int, limits: ServeLimits) -> RequestError:
+    return RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body is over {size:,} bytes; this server "
+                        f"accepts at most {limits.max_request_bytes:,}")
+
+
+def declared_length(request: Request, limits: ServeLimits) -> None:
+    """Refuse a Content-Length that is not a non-negative integer, or over the cap, before reading anything."""
+    value = request.headers.get("content-length")
+    if value is None:
+        return
+    if not value.isdigit():
+        raise bad(f"Content-Length: expected a non-negative integer, got {value[:40]!r}")
+    if int(value) > limits.max_request_bytes:
+        raise too_large(int(value), limits)
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise bad(f"request body is not UTF-8 ({exc})") from exc
+    except RecursionError:
+        raise bad("request body: JSON nested too deeply") from None
+    except ValueError as exc:
+        raise bad(f"request body is not JSON ({exc})") from exc
+
+
+class Completion:
+    """One request's choices as the batcher fills them, read from the event loop."""
+
+    def __init__(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.events = loop, asyncio.Queue()
+        self.texts, self.finish = [""] * n, [None] * n
+        self.tokens = [0] * n
+
+    def emit(self, index: int, text: str, finish: str | None) -> None:  # called in the batcher thread
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, text, finish))
+
+    async def next(self, deadline: float) -> tuple[int, str, str | None]:
+        index, text, finish = await asyncio.wait_for(self.events.get(), timeout=max(deadline - time.monotonic(), 0))
+        self.texts[index] += text
+        self.finish[index] = finish
+        return index, text, finish
+
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+
+def usage(prompt_tokens: int, job: Job) -> dict[str, int]:
+    completion = sum(len(c.tokens) for c in job.choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def failed(finish: str | None) -> RequestError | None:
+    if finish is not None and finish.startswith("error: "):
+        return RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, finish[7:], kind="server_error")
+    return None
+
+
+def create_app(served: ServedModel, limits: ServeLimits = ServeLimits()) -> FastAPI:
+    app = FastAPI(title="stitch serve", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = HTTPStatus(exc.status_code)
+        return error_response(RequestError(status, f"{request.method} {request.url.path}: {exc.detail}"))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        batcher = served.batcher
+        return {"status": "ok", "model": served.model_name, "waiting": batcher.waiting.qsize(),
+                "batches": batcher.batch_count, "recent_batch_rows": list(batcher.recent_rows)}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": created,
+                                            "owned_by": "stitch"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        try:
+            declared_length(request, limits)
+            body = parse_json(await read_body(request.receive, limits))
+            chat_request = served.parse(body, limits.chat)
+            embeds, prompt_tokens = await asyncio.to_thread(served.embed, chat_request)
         except RequestError as exc:
-            self._send(exc.status, exc.body())
-        except Exception as exc:  # noqa: BLE001 - a server bug must not take the server down
-            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": f"{type(exc).__name__}: {exc}",
-                                                                    "type": "server_error", "param": None,
-                                                                    "code": "internal_server_error"}})
+            return error_response(exc)
+        completion = Completion(chat_request.sampling.n, asyncio.get_running_loop())
+        job = Job(embeds, chat_request.sampling, completion.emit)
+        served.batcher.submit(job)
+        deadline = time.monotonic() + limits.request_timeout_s
+        if chat_request.stream:
+            return StreamingResponse(stream(served.model_name, job, completion, deadline, prompt_tokens,
+                                            chat_request.include_usage), media_type="text/event-stream")
+        return await respond(served.model_name, job, completion, deadline, prompt_tokens)
+
+    return app
+
+
+async def respond(model: str, job: Job, completion: Completion, deadline: float, prompt_tokens: int) -> Response:
+    try:
+        while not completion.done():
+            _, _, finish = await completion.next(deadline)
+            if (error := failed(finish)) is not None:
+                return error_response(error)
+    except TimeoutError:
+        job.cancelled = True
+        return error_response(RequestError(HTTPStatus.GATEWAY_TIMEOUT, "generation did not finish within the "
+                                           "server's request time limit", kind="timeout"))
+    choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+               for i, (text, finish) in enumerate(zip(completion.texts, completion.finish, strict=True))]
+    return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                         "model": model, "choices": choices, "usage": usage(prompt_tokens, job)})
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def stream(model: str, job: Job, completion: Completion, deadline: float, prompt_tokens: int,
+                 include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events as OpenAI streams them: a role chunk per choice, content deltas, a finish chunk per choice,
+    the usage chunk when asked for, then ``[DONE]``."""
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> str:
+        return sse({**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]})
+
+    try:
+        for i in range(len(job.choices)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        while not completion.done():
+            try:
+                index, text, finish = await completion.next(deadline)
+            except TimeoutError:
+                job.cancelled = True
+                yield sse({"error": {"message": "generation did not finish within the server's request time limit",
+                                     "type": "timeout", "param": None, "code": "gateway_timeout"}})
+                break
+            if (error := failed(finish)) is not None:
+                yield sse(error.body())
+                break
+            if text:
+                yield chunk(index, {"content": text})
+            if finish is not None:
+                yield chunk(index, {}, finish)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(prompt_tokens, job)})
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled = job.cancelled or not completion.done()  # a client that went away frees its rows
 
 
 def serve(checkpoint: Path, registry: Registry, host: str = "127.0.0.1", port: int = 8000,
-          engine: str = "embedded", model_name: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS,
-          ready: Any = None) -> None:
-    """Load ``checkpoint`` once (its model, encoder and engine looked up in ``registry``) and serve it until
-    interrupted; ``ready(server)`` is called once listening."""
-    stitched = Stitched(Path(checkpoint), registry, engine=engine)
-    name = model_name or stitched.model_spec.name
-    server = ChatServer((host, port), stitched, name, max_pixels=max_pixels)
+          model_name: str | None = None, limits: ServeLimits = ServeLimits(),
+          ready: Callable[[str], None] | None = None) -> None:
+    """Load ``checkpoint`` once (its model and encoder looked up in ``registry``) and serve it until interrupted;
+    ``ready(base_url)`` is called once the model is loaded, before the socket binds."""
+    stitched = Stitched(Path(checkpoint), registry)
+    served = ServedModel(stitched, model_name or stitched.model_spec.name, limits.max_batch_rows)
+    protocol = type("Protocol", (GuardedH11Protocol,), {"header_timeout_s": limits.header_timeout_s})
+    config = uvicorn.Config(create_app(served, limits), host=host, port=port, http=protocol, log_level="warning",
+                            timeout_keep_alive=5, limit_concurrency=limits.max_connections,
+                            h11_max_incomplete_event_size=64 * 1024, lifespan="off")
     if ready is not None:
-        ready(server)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+        ready(f"http://{host}:{port}/v1")
+    uvicorn.Server(config).run()

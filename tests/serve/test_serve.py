@@ -1,16 +1,13 @@
-"""Taking a trained model out of stitch: `stitch export` for plain transformers, `stitch serve` for OpenAI clients,
-`stitch infer --input` for a JSONL of rows."""
+"""Taking a trained model out of stitch: `stitch export` for plain transformers and `stitch infer --input` for a
+JSONL of rows (`stitch serve` is tested in test_server.py)."""
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -71,84 +68,12 @@ def test_exported_model_loads_in_plain_transformers_and_reproduces_stitchs_greed
     assert answers == expected
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _png(size: tuple[int, int] = (224, 224)) -> bytes:
     from PIL import Image
 
     buffer = io.BytesIO()
     Image.new("RGB", size, (200, 40, 40)).save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-@pytest.fixture
-def server(sft_run):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stitch", "serve", str(sft_run), "--port", str(port), "--model-name", "tiny",
-         "--max-image-pixels", "250000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    import urllib.request
-
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"server did not start: {proc.stdout.read()[-3000:]}") from None
-            time.sleep(0.5)
-    try:
-        yield f"http://127.0.0.1:{port}/v1", proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def test_serve_answers_the_openai_client_like_stitch_infer_and_survives_malformed_requests(server, sft_run, tmp_path):
-    import openai
-
-    base_url, proc = server
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    assert [m.id for m in client.models.list().data] == ["tiny"]
-    image = tmp_path / "scene.png"
-    image.write_bytes(_png())
-    question = "How many objects are in the image?"
-    data_url = "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
-
-    def ask(url: str = data_url, model: str = "tiny", with_image: bool = True):
-        content = [{"type": "text", "text": question}]
-        if with_image:
-            content.append({"type": "image_url", "image_url": {"url": url}})
-        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
-                                              max_tokens=24)
-
-    served = ask().choices[0].message.content
-    infer = subprocess.run([sys.executable, "-m", "stitch", "infer", "--adapter", str(sft_run / "sft" / "checkpoints"),
-                            "--image", str(image), "--question", question],
-                           capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert served + "\n" == infer.stdout
-
-    big = "data:image/png;base64," + base64.b64encode(_png((1000, 1000))).decode()
-    bad_requests = {
-        "bad base64": (lambda: ask(url="data:image/png;base64,@@not-base64@@"), 400),
-        "no image": (lambda: ask(with_image=False), 400),
-        "unknown model": (lambda: ask(model="gpt-4o"), 404),
-        "oversize image": (lambda: ask(url=big), 400),
-    }
-    for what, (call, status) in bad_requests.items():
-        with pytest.raises(openai.APIStatusError) as caught:
-            call()
-        assert caught.value.status_code == status, what
-        assert caught.value.body["message"], what  # an OpenAI-shaped JSON error with a message
-        assert ask().choices[0].message.content == served, f"the server stopped answering after: {what}"
-    assert proc.poll() is None
 
 
 def test_infer_answers_a_jsonl_of_rows_with_the_same_text_as_one_at_a_time(sft_run, tmp_path):

@@ -1,0 +1,99 @@
+"""A non-image modality served end to end: a plugin scaffolded by `stitch new-plugin`'s template, its encoder
+declaring OpenAI ``input_audio`` parts, trained by `stitch run` on its shipped recipe, then answered through
+`stitch serve` with the openai client exactly as `stitch infer` answers the same signal."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from stitch.scaffold import render_plugin
+from tests.stitch_testing import cli
+
+pytestmark = pytest.mark.slow
+
+MODALITY = "probe_wave"  # unusual on purpose: never collides with an installed plugin
+PACKAGE = "stitch_probe_wave"
+HAS_HATCHLING = importlib.util.find_spec("hatchling") is not None
+
+
+def _declare_input_audio(encoder_py: Path) -> None:
+    """The plugin author's one edit: the encoder takes its signals as ``input_audio`` content parts."""
+    text = encoder_py.read_text()
+    declared = 'content_parts=("input_audio",),'
+    if re.search(r"content_parts=\([^)]*\),", text):
+        patched = re.sub(r"content_parts=\([^)]*\),", declared, text, count=1)
+    else:
+        patched = text.replace("    decode_item=decode_item,\n", f"    decode_item=decode_item,\n    {declared}\n", 1)
+    assert declared in patched, "the rendered encoder.py has no EncoderSpec(...) to declare content parts in"
+    encoder_py.write_text(patched)
+
+
+def _install(project: Path, site: Path) -> dict[str, str]:
+    isolation = ["--no-build-isolation", "--no-index"] if HAS_HATCHLING else []
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *isolation, "--target", str(site),
+                    str(project)], check=True, capture_output=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("STITCH_LOAD_PLUGINS", "STITCH_DISABLED_PLUGINS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+def _serve(run: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(cli("serve", str(run), "--port", str(port), "--model-name", "probe"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"server did not start: {proc.stdout.read()[-3000:]}") from None
+            time.sleep(0.5)
+
+
+def test_a_scaffolded_audio_plugin_answers_input_audio_parts_through_serve_as_infer_does(tmp_path):
+    import openai
+
+    project = render_plugin(tmp_path / "out", MODALITY)
+    _declare_input_audio(project / "src" / PACKAGE / "encoder.py")
+    env = _install(project, tmp_path / "site")
+    run = tmp_path / "run"
+    subprocess.run(cli("run", f"{MODALITY}-demo", "--out", str(run)), check=True, capture_output=True, env=env,
+                   timeout=1200)
+    checkpoints = next(run / s / "checkpoints" for s in ("grpo", "dpo", "sft") if (run / s / "checkpoints").is_dir())
+    signal = project / "src" / PACKAGE / "recipes" / "data" / "items" / "s032.npy"
+    question = "How many cycles does this signal go through?"
+    infer = subprocess.run(cli("infer", "--adapter", str(checkpoints), "--image", str(signal), "--question", question,
+                               "--max-new-tokens", "8"), check=True, capture_output=True, text=True, env=env)
+
+    proc, port = _serve(run, env)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(signal.read_bytes()).decode(),
+                                                        "format": "wav"}}
+        reply = client.chat.completions.create(model="probe", max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": [audio, {"type": "text", "text": question}]}])
+        assert reply.choices[0].message.content + "\n" == infer.stdout
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="probe", max_tokens=8, messages=[
+                {"role": "user", "content": [image, {"type": "text", "text": question}]}])
+        assert "input_audio" in refused.value.body["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
