@@ -21,7 +21,7 @@ import torch
 from stitch.accel import (
     drop_graphs,
     fla_conv,
-    fla_kernels_importable,
+    fla_kernels_usable,
     fla_seqlens,
     flatten_packed_rows,
     reference_conv,
@@ -36,7 +36,7 @@ MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.
 
 
 def _on_fla(t: torch.Tensor) -> bool:
-    return t.is_cuda and fla_kernels_importable() is None
+    return t.is_cuda and fla_kernels_usable() is None
 
 
 def _conv(original: Any) -> Any:
@@ -208,8 +208,9 @@ GATED_DELTANETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
 @functools.cache
 def fla_gdn_functions() -> dict[str, Any] | None:
-    """fla's chunk rule, gated RMSNorm and causal conv, or None where fla's kernels do not import."""
-    if fla_kernels_importable() is not None:
+    """fla's chunk rule, gated RMSNorm and causal conv, or None where fla's kernels do not import or refuse this
+    machine's Triton."""
+    if fla_kernels_usable() is not None:
         return None
     try:
         from fla.modules.norm.fused_norm_gate import rms_norm_gated

@@ -6,6 +6,8 @@ with flash-linear-attention both run fla's varlen kernels (the GPU test; see BEN
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -118,3 +120,19 @@ def test_a_transformers_without_the_wrapped_functions_is_refused_by_name(monkeyp
     monkeypatch.delattr(modeling, "causal_conv1d_fn")
     with pytest.raises(RuntimeError, match="causal_conv1d_fn"):
         patch_gated_deltanet()
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_loading_on_a_gpu_without_the_extra_warns_once_naming_it_and_cpu_stays_quiet(monkeypatch, caplog, cuda):
+    from stitch.kernels import varlen
+
+    spec = load_plugins().get("models", "qwen3.5-tiny")
+    monkeypatch.setattr(varlen, "_SAID", set())
+    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+    monkeypatch.setattr(varlen, "fla_kernels_importable", lambda: "flash-linear-attention is not installed")
+    with caplog.at_level(logging.INFO, logger="stitch"):
+        for _ in range(2):  # two loads, one process
+            assert not packs_loaded(spec, load_model(spec, registry=get_host()))
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "[kernels]" in r.getMessage()]
+    assert len(said) == cuda
+    assert all('pip install "stitch-qwen[kernels]"' in line for line in said)
