@@ -14,6 +14,7 @@ from stitch.kernels.varlen import (
     fla_kernels_importable,
     fla_kernels_usable,
     fla_seqlens,
+    fla_triton_problem,
     flatten_packed_rows,
     reference_conv,
     segments,
@@ -30,6 +31,7 @@ __all__ = [
     "fla_seqlens",
     "fla_kernels_importable",
     "fla_kernels_usable",
+    "fla_triton_problem",
     "varlen_kernels_ready",
     # one warning per process when a GPU runs reference code for want of a plugin's kernels extra
     "warn_kernel_fallback",

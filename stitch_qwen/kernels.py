@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 from typing import Any
 
@@ -89,6 +90,24 @@ def use_varlen(model: Any) -> None:
     """Packed calls of ``model`` (a Qwen3.5 causal LM) keep every sample's recurrent state and conv window apart."""
     patch_gated_deltanet()
     flatten_packed_rows(model.model)
+
+
+def keep_reference_rule() -> int:
+    """Run transformers' PyTorch Gated DeltaNet rule in each Qwen3.5 modeling module, not fla's, which transformers
+    takes whenever fla imports: for a machine where fla's backward refuses the installed Triton (Hopper, Triton
+    < 3.7.1), so training falls back instead of stopping at the first backward. Returns the modules changed."""
+    done = 0
+    for name in MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        current = getattr(module, "torch_chunk_gated_delta_rule", None)
+        if current is not None and not hasattr(current, "stitch_original"):
+            # the PyTorch rule under transformers' kernel-hub decorator (itself when already unwrapped)
+            module.torch_chunk_gated_delta_rule = inspect.unwrap(current)
+            done += 1
+    return done
 
 
 # -- liger-kernel's fused RMSNorm / SwiGLU / RoPE on the model instance ------------------------------------------

@@ -7,9 +7,9 @@ import logging
 import re
 from typing import Any
 
-from stitch.accel import varlen_kernels_ready, warn_kernel_fallback
+from stitch.accel import fla_triton_problem, varlen_kernels_ready, warn_kernel_fallback
 from stitch.api import ModelSource, ModelSpec, automodel_backend
-from stitch_qwen.kernels import install_fused_kernels, use_fused_kernels, use_varlen
+from stitch_qwen.kernels import install_fused_kernels, keep_reference_rule, use_fused_kernels, use_varlen
 from stitch_qwen.published import snapshot_writer
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.tiny import (
@@ -74,6 +74,8 @@ def install_sample_starts(model: Any) -> bool:
     (or with a Triton fla refuses) it warns once per process, naming what to install.
     """
     warn_kernel_fallback(KERNELS_EXTRA, KERNELS)
+    if fla_triton_problem() is not None:  # transformers would take fla's rule, whose backward refuses this Triton
+        keep_reference_rule()
     use_fused_kernels(model)  # liger's RMSNorm / SwiGLU on GPU tensors where installed (stitch_qwen/kernels.py)
     if not varlen_kernels_ready():
         return False

@@ -72,7 +72,7 @@ def cuda_capability() -> tuple[int, int] | None:
 def fla_triton_problem() -> str | None:
     """On a Hopper GPU (compute capability 9.x), one line when the installed Triton is one fla refuses, naming the
     pin to install; None elsewhere (other GPUs, CPU, a Triton outside the bad range)."""
-    version = installed_version("triton")
+    version = installed_version("triton") or installed_version("pytorch-triton")  # the latter: torch nightlies
     low, high = FLA_HOPPER_TRITON_BAD
     if version is None or not low <= release(version) < high:
         return None
