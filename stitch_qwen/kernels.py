@@ -15,6 +15,7 @@ import functools
 import importlib
 import inspect
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,18 +68,23 @@ def _rule(original: Any) -> Any:
     return torch_chunk_gated_delta_rule
 
 
+def imported(names: tuple[str, ...]) -> Iterator[Any]:
+    """The modules named that import here (a transformers without one leaves it out)."""
+    for name in names:
+        try:
+            yield importlib.import_module(name)
+        except ImportError:
+            continue
+
+
 def patch_gated_deltanet() -> int:
     """Wrap the conv and the rule in each Qwen3.5 modeling module once; returns how many modules were wrapped."""
     done = 0
-    for name in MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
+    for module in imported(MODULES):
         for attr, wrap in (("causal_conv1d_fn", _conv), ("torch_chunk_gated_delta_rule", _rule)):
             current = getattr(module, attr, None)
             if current is None:  # transformers renamed what the layer calls: packing would leak, so refuse
-                raise RuntimeError(f"{name} has no {attr}: stitch cannot pass sample starts to Qwen3.5's Gated "
+                raise RuntimeError(f"{module.__name__} has no {attr}: stitch cannot pass sample starts to Qwen3.5's Gated "
                                    f"DeltaNet with this transformers version")
             if not hasattr(current, "stitch_original"):
                 setattr(module, attr, wrap(current))
@@ -97,11 +103,7 @@ def keep_reference_rule() -> int:
     takes whenever fla imports: for a machine where fla's backward refuses the installed Triton (Hopper, Triton
     < 3.7.1), so training falls back instead of stopping at the first backward. Returns the modules changed."""
     done = 0
-    for name in MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
+    for module in imported(MODULES):
         current = getattr(module, "torch_chunk_gated_delta_rule", None)
         if current is not None and not hasattr(current, "stitch_original"):
             # the PyTorch rule under transformers' kernel-hub decorator (itself when already unwrapped)
@@ -190,11 +192,7 @@ def _rope(original: Any) -> Any:
 def patch_fused_rope() -> int:
     """Wrap apply_rotary_pos_emb of each full-width RoPE module once; returns how many modules are wrapped."""
     done = 0
-    for name in FUSED_ROPE_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
+    for module in imported(FUSED_ROPE_MODULES):
         current = getattr(module, "apply_rotary_pos_emb", None)
         if current is not None and not hasattr(current, "stitch_original"):
             module.apply_rotary_pos_emb = _rope(current)
