@@ -12,11 +12,14 @@ from stitch.kernels.shared_slots import SlotBytes
 from stitch.kernels.varlen import (
     fla_conv,
     fla_kernels_importable,
+    fla_kernels_usable,
     fla_seqlens,
+    fla_triton_problem,
     flatten_packed_rows,
     reference_conv,
     segments,
     varlen_kernels_ready,
+    warn_kernel_fallback,
 )
 
 __all__ = [
@@ -27,7 +30,11 @@ __all__ = [
     "fla_conv",
     "fla_seqlens",
     "fla_kernels_importable",
+    "fla_kernels_usable",
+    "fla_triton_problem",
     "varlen_kernels_ready",
+    # one warning per process when a GPU runs reference code for want of a plugin's kernels extra
+    "warn_kernel_fallback",
     # several LoRA projections of one input as one autograd node (a model plugin's fused layer)
     "shared_input_projections",
     # shape-static training blocks replayed as CUDA graphs

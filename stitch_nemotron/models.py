@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from stitch.accel import varlen_kernels_ready
+from stitch.accel import varlen_kernels_ready, warn_kernel_fallback
 from stitch.api import ModelSource, ModelSpec, automodel_backend
 from stitch_nemotron.kernels import use_varlen
 from stitch_nemotron.published import snapshot_writer
@@ -46,6 +46,11 @@ LIGHTNING_EXCLUSIONS: dict[str, str] = {
 
 log = logging.getLogger("stitch")
 
+# What stitch-nemotron[kernels] installs, import name -> distribution: fla's simple-GLA scan and causal conv for the
+# Mamba-2 mixers (stitch_nemotron/kernels.py; Triton >= 3.7.1 on Hopper)
+KERNELS_EXTRA = "stitch-nemotron[kernels]"
+KERNELS = {"fla": "flash-linear-attention"}
+
 PACKING_NOTE = (
     "Packed only on a CUDA device with flash-linear-attention installed: stitch then runs the Mamba-2 mixers on "
     "fla's varlen kernels fed the sample starts (stitch_nemotron/kernels.py). Otherwise unpacked: NemotronH "
@@ -75,9 +80,10 @@ def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, tr
 def install_sample_starts(model: Any) -> bool:
     """On a GPU with fla, run a freshly loaded Nemotron-H's Mamba-2 mixers on the varlen kernels; True when done.
 
-    Called by the core's ``load_model`` (``ModelSpec.install_sample_starts``); a missing or broken fla is
-    reported there (``kernel_report``).
+    Called by the core's ``load_model`` (``ModelSpec.install_sample_starts``). On a GPU without the kernels extra
+    (or with a Triton fla refuses) it warns once per process, naming what to install.
     """
+    warn_kernel_fallback(KERNELS_EXTRA, KERNELS)
     if not varlen_kernels_ready():
         return False
     swapped = use_varlen(model)
@@ -106,7 +112,7 @@ def nemotron_spec(name: str, source: ModelSource, hidden_size: int, moe: bool, d
         supports_packing=False,
         packing_when=varlen_kernels_ready,
         install_sample_starts=install_sample_starts,
-        kernels={"fla": "flash-linear-attention"},
+        kernels=KERNELS,
         # a packed Nemotron-Nano-4B step is ~5 % slower with its LoRA layers as CUDA graphs (and with the Mamba-2
         # mixers' elementwise sides graphed too): it is paced by the device, so the copies in and out of each graph
         # cost more than the launches saved

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ import torch
 from stitch.accel import (
     drop_graphs,
     fla_conv,
-    fla_kernels_importable,
+    fla_kernels_usable,
     fla_seqlens,
     flatten_packed_rows,
     reference_conv,
@@ -36,7 +38,7 @@ MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.
 
 
 def _on_fla(t: torch.Tensor) -> bool:
-    return t.is_cuda and fla_kernels_importable() is None
+    return t.is_cuda and fla_kernels_usable() is None
 
 
 def _conv(original: Any) -> Any:
@@ -66,18 +68,23 @@ def _rule(original: Any) -> Any:
     return torch_chunk_gated_delta_rule
 
 
+def imported(names: tuple[str, ...]) -> Iterator[Any]:
+    """The modules named that import here (a transformers without one leaves it out)."""
+    for name in names:
+        try:
+            yield importlib.import_module(name)
+        except ImportError:
+            continue
+
+
 def patch_gated_deltanet() -> int:
     """Wrap the conv and the rule in each Qwen3.5 modeling module once; returns how many modules were wrapped."""
     done = 0
-    for name in MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
+    for module in imported(MODULES):
         for attr, wrap in (("causal_conv1d_fn", _conv), ("torch_chunk_gated_delta_rule", _rule)):
             current = getattr(module, attr, None)
             if current is None:  # transformers renamed what the layer calls: packing would leak, so refuse
-                raise RuntimeError(f"{name} has no {attr}: stitch cannot pass sample starts to Qwen3.5's Gated "
+                raise RuntimeError(f"{module.__name__} has no {attr}: stitch cannot pass sample starts to Qwen3.5's Gated "
                                    f"DeltaNet with this transformers version")
             if not hasattr(current, "stitch_original"):
                 setattr(module, attr, wrap(current))
@@ -89,6 +96,20 @@ def use_varlen(model: Any) -> None:
     """Packed calls of ``model`` (a Qwen3.5 causal LM) keep every sample's recurrent state and conv window apart."""
     patch_gated_deltanet()
     flatten_packed_rows(model.model)
+
+
+def keep_reference_rule() -> int:
+    """Run transformers' PyTorch Gated DeltaNet rule in each Qwen3.5 modeling module, not fla's, which transformers
+    takes whenever fla imports: for a machine where fla's backward refuses the installed Triton (Hopper, Triton
+    < 3.7.1), so training falls back instead of stopping at the first backward. Returns the modules changed."""
+    done = 0
+    for module in imported(MODULES):
+        current = getattr(module, "torch_chunk_gated_delta_rule", None)
+        if current is not None and not hasattr(current, "stitch_original"):
+            # the PyTorch rule under transformers' kernel-hub decorator (itself when already unwrapped)
+            module.torch_chunk_gated_delta_rule = inspect.unwrap(current)
+            done += 1
+    return done
 
 
 # -- liger-kernel's fused RMSNorm / SwiGLU / RoPE on the model instance ------------------------------------------
@@ -171,11 +192,7 @@ def _rope(original: Any) -> Any:
 def patch_fused_rope() -> int:
     """Wrap apply_rotary_pos_emb of each full-width RoPE module once; returns how many modules are wrapped."""
     done = 0
-    for name in FUSED_ROPE_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
+    for module in imported(FUSED_ROPE_MODULES):
         current = getattr(module, "apply_rotary_pos_emb", None)
         if current is not None and not hasattr(current, "stitch_original"):
             module.apply_rotary_pos_emb = _rope(current)
@@ -208,8 +225,9 @@ GATED_DELTANETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
 @functools.cache
 def fla_gdn_functions() -> dict[str, Any] | None:
-    """fla's chunk rule, gated RMSNorm and causal conv, or None where fla's kernels do not import."""
-    if fla_kernels_importable() is not None:
+    """fla's chunk rule, gated RMSNorm and causal conv, or None where fla's kernels do not import or refuse this
+    machine's Triton."""
+    if fla_kernels_usable() is not None:
         return None
     try:
         from fla.modules.norm.fused_norm_gate import rms_norm_gated

@@ -7,9 +7,9 @@ import logging
 import re
 from typing import Any
 
-from stitch.accel import varlen_kernels_ready
+from stitch.accel import fla_triton_problem, varlen_kernels_ready, warn_kernel_fallback
 from stitch.api import ModelSource, ModelSpec, automodel_backend
-from stitch_qwen.kernels import install_fused_kernels, use_fused_kernels, use_varlen
+from stitch_qwen.kernels import install_fused_kernels, keep_reference_rule, use_fused_kernels, use_varlen
 from stitch_qwen.published import snapshot_writer
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.tiny import (
@@ -70,9 +70,12 @@ HOW_TO_LOAD_VLM = (
 def install_sample_starts(model: Any) -> bool:
     """On a GPU with fla, make a freshly loaded Qwen3.5 hybrid pack with sample boundaries; True when it did.
 
-    Called by the core's ``load_model`` (``ModelSpec.install_sample_starts``); a missing or broken fla is
-    reported there too (``kernel_report``), so here it is enough to say nothing was installed.
+    Called by the core's ``load_model`` (``ModelSpec.install_sample_starts``). On a GPU without the kernels extra
+    (or with a Triton fla refuses) it warns once per process, naming what to install.
     """
+    warn_kernel_fallback(KERNELS_EXTRA, KERNELS)
+    if fla_triton_problem() is not None:  # transformers would take fla's rule, whose backward refuses this Triton
+        keep_reference_rule()
     use_fused_kernels(model)  # liger's RMSNorm / SwiGLU on GPU tensors where installed (stitch_qwen/kernels.py)
     if not varlen_kernels_ready():
         return False
@@ -139,7 +142,7 @@ def qwen_dense_spec(name: str, source: ModelSource, hidden_size: int, descriptio
         packing_when=varlen_kernels_ready,
         install_sample_starts=install_sample_starts,
         packing_note=PACKING_NOTE,
-        kernels=GDN_KERNELS,
+        kernels=KERNELS,
         snapshot=snapshot_writer(name) if published else None,
         backends={"automodel": AUTOMODEL_DENSE},
         description=f"{description} {HOW_TO_LOAD_VLM}",
@@ -161,16 +164,18 @@ def qwen_moe_spec(name: str, source: ModelSource, hidden_size: int, description:
         packing_when=varlen_kernels_ready,
         install_sample_starts=install_sample_starts,
         packing_note=PACKING_NOTE,
-        kernels=GDN_KERNELS,
+        kernels=KERNELS,
         snapshot=snapshot_writer(name) if published else None,
         backends={"automodel": AUTOMODEL_MOE},
         description=f"{description} {HOW_TO_LOAD_VLM}",
     )
 
 
-# Gated DeltaNet's fused path (transformers picks it up when importable; stitch adds the varlen conv and packing);
-# needs Triton >= 3.7.1 on Hopper. causal-conv1d's CUDA build is optional: without it the unpacked conv is cuDNN's.
-GDN_KERNELS = {"fla": "flash-linear-attention"}
+# What stitch-qwen[kernels] installs, import name -> distribution: fla for Gated DeltaNet's fused path (transformers
+# picks it up when importable; stitch adds the varlen conv and packing; Triton >= 3.7.1 on Hopper), liger for the
+# RMSNorms, SwiGLU MLPs and RoPE. causal-conv1d's CUDA build is optional: without it the unpacked conv is cuDNN's.
+KERNELS_EXTRA = "stitch-qwen[kernels]"
+KERNELS = {"fla": "flash-linear-attention", "liger_kernel": "liger-kernel"}
 
 DEMO_PACKING_NOTE = (
     "full-attention layers only: packed rows get a block-causal mask from position-id resets "

@@ -3,14 +3,20 @@
 Attention layers keep packed samples apart through ``stitch_varlen`` (``stitch.kernels.attention``), which
 ``StitchedModel`` feeds these same sample starts. Recurrent layers (Gated DeltaNet, Mamba-2) and their short causal convolutions need the sample starts
 (``cu_seqlens``) instead, and fla's varlen kernels take them for one flattened row. This module finds whether fla's
-kernels run here, turns position ids into ``cu_seqlens``, flattens packed rows into one for a decoder, and runs a
-depthwise causal conv per sample (fla on a GPU, a PyTorch reference otherwise).
+kernels run here (on a GPU where they do not, it says once what to install), turns position ids into
+``cu_seqlens``, flattens packed rows into one for a decoder, and runs a depthwise causal conv per sample (fla on a
+GPU, a PyTorch reference otherwise).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.metadata
 import importlib.util
+import logging
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,9 +37,101 @@ def fla_kernels_importable() -> str | None:
     return None
 
 
+# fla 0.6.0 refuses its gated chunk backward (Gated DeltaNet, simple GLA) on Hopper with Triton >= 3.4 and < 3.7.1:
+# those Tritons compute it wrong there
+FLA_HOPPER_TRITON_BAD = ((3, 4, 0), (3, 7, 1))
+TRITON_PIN = 'pip install "triton>=3.7.1"'
+
+log = logging.getLogger("stitch")
+_SAID: set[str] = set()
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: "3.6.0+git9a1b" -> (3, 6, 0)."""
+    found = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in found.group(0).split(".")) if found else ()
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """The current CUDA device's compute capability, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return tuple(torch.cuda.get_device_capability())
+    except (RuntimeError, AssertionError):  # a device that is announced but cannot be queried
+        return None
+
+
+def fla_triton_problem() -> str | None:
+    """On a Hopper GPU (compute capability 9.x), one line when the installed Triton is one fla refuses, naming the
+    pin to install; None elsewhere (other GPUs, CPU, a Triton outside the bad range)."""
+    version = installed_version("triton") or installed_version("pytorch-triton")  # the latter: torch nightlies
+    low, high = FLA_HOPPER_TRITON_BAD
+    if version is None or not low <= release(version) < high:
+        return None
+    capability = cuda_capability()
+    if capability is None or capability[0] != 9:
+        return None
+    return (f"Triton {version} on a Hopper GPU (sm_{capability[0]}{capability[1]}): flash-linear-attention refuses "
+            f"its gated backward with Triton < 3.7.1, so the hybrid layers run the PyTorch reference (several times "
+            f"slower); install: {TRITON_PIN}")
+
+
+def fla_kernels_usable() -> str | None:
+    """None when fla's kernels import and train correctly on this machine, else why not (one line)."""
+    return fla_kernels_importable() or fla_triton_problem()
+
+
 def varlen_kernels_ready() -> bool:
-    """True when packed rows of a hybrid model can run with sample boundaries: a CUDA device and fla's kernels."""
-    return torch.cuda.is_available() and fla_kernels_importable() is None
+    """True when packed rows of a hybrid model can run with sample boundaries: a CUDA device and fla's kernels
+    (with a Triton they accept)."""
+    return torch.cuda.is_available() and fla_kernels_usable() is None
+
+
+def import_problem(module: str, distribution: str) -> str | None:
+    """None when ``module`` imports, else why not (one line); fla is asked through ``fla_kernels_usable``."""
+    if module == "fla":
+        return fla_kernels_usable()
+    if importlib.util.find_spec(module) is None:
+        return f"{distribution} is not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import-time failure is the answer
+        return f"{distribution} does not import: {type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def kernel_fallback(extra: str, modules: Mapping[str, str]) -> str | None:
+    """One line when a CUDA device runs PyTorch reference code because kernels that a plugin's extra installs are
+    missing or unusable: why, and the install line (the extra; the Triton pin when Triton is all that is wrong).
+    None on CPU, where the reference is the expected path, and where every kernel runs. ``modules``: import name ->
+    the distribution that provides it."""
+    if not torch.cuda.is_available():
+        return None
+    problems = [why for module, package in sorted(modules.items()) if (why := import_problem(module, package))]
+    if not problems:
+        return None
+    if problems == [fla_triton_problem()]:  # fla and the rest are there: only Triton is wrong
+        return f"{extra}: {problems[0]}"
+    return (f"{extra}: {'; '.join(problems)}; the model runs PyTorch reference code on this GPU (several times "
+            f"slower); install: pip install \"{extra}\"")
+
+
+def warn_kernel_fallback(extra: str, modules: Mapping[str, str]) -> str | None:
+    """``kernel_fallback``'s line as a warning, at most once per process for each line; returns the line (None when
+    nothing falls back)."""
+    line = kernel_fallback(extra, modules)
+    if line is not None and line not in _SAID:
+        _SAID.add(line)
+        log.warning(line)
+    return line
 
 
 def cu_seqlens_from_positions(position_ids: torch.Tensor) -> torch.Tensor:

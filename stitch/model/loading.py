@@ -33,31 +33,6 @@ def load_tokenizer(spec: ModelSpec, source: ModelSource | None = None, trust_rem
     return AutoTokenizer.from_pretrained(**source.tokenizer_kwargs(), trust_remote_code=trust_remote_code)
 
 
-def kernel_report(spec: ModelSpec) -> list[str]:
-    """What will run PyTorch reference code because a kernel the model plugin declares is missing or broken."""
-    import importlib
-    import importlib.util
-
-    if not spec.kernels:
-        return []
-    if not torch.cuda.is_available():
-        return [f"{spec.name}: no CUDA device, so {', '.join(sorted(spec.kernels))} kernels are not used; "
-                f"hybrid layers run the PyTorch reference"]
-    missing = {module: package for module, package in spec.kernels.items() if importlib.util.find_spec(module) is None}
-    lines = []
-    if missing:
-        lines.append(f"{spec.name}: {', '.join(sorted(missing))} not installed; its hybrid layers fall back to the "
-                     f"PyTorch reference (several times slower on a GPU). Install: pip install "
-                     f"{' '.join(missing.values())}")
-    for module in sorted(set(spec.kernels) - set(missing)):
-        try:  # installed but unusable (e.g. fla against a Triton that is too old): say why
-            importlib.import_module(module)
-        except Exception as exc:  # noqa: BLE001 - any import-time failure is the report
-            lines.append(f"{spec.name}: {module} is installed but does not import ({type(exc).__name__}: "
-                         f"{str(exc)[:200]}); its hybrid layers fall back to the PyTorch reference")
-    return lines
-
-
 # -- snapshots ----------------------------------------------------------------------------------------------
 
 
@@ -296,9 +271,6 @@ def load_model(
             kwargs["device_map"] = device
         model = cls.from_pretrained(**kwargs, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
     _check_hidden_size(spec, source, model)
-    for line in kernel_report(spec):
-        # said once at start-up: a hybrid model without its kernels is several times slower on a GPU
-        (log.warning if torch.cuda.is_available() else log.info)(line)
     _fit_for_packing(spec, model)
     return model
 

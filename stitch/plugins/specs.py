@@ -189,7 +189,8 @@ class ModelSpec:
     # (stitch.kernels.graphs); False where measured slower than eager: the copies in and out of a graph cost more than
     # the launches it saves
     cuda_graphs: bool = True
-    # optional fused kernels: import name -> pip package; without them transformers runs PyTorch reference code
+    # optional fused kernels: import name -> pip package; without them transformers runs PyTorch reference code (the
+    # plugin says so once on a GPU, naming its extra: stitch.accel.warn_kernel_fallback)
     kernels: Mapping[str, str] = field(default_factory=dict)
     # writes a random-init snapshot in the published checkpoint layout (`stitch snapshot`):
     # snapshot(out_dir, layers=None, width=None, dtype=None, progress=None, max_shard_bytes=...) -> None

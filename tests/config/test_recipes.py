@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import pytest
-from tests.stitch_testing import write_recipe
 
+from benchmarks.suites.models import MODELS as MEASURED_MODELS
+from benchmarks.suites.models import SETTINGS
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.host.host import get_host, load_plugins
 from stitch.host.validate import validate_recipe
+from tests.stitch_testing import write_recipe
 
 RUN_BY_TESTS = {
     "demo": "tests/demo/test_demo_chain.py runs `stitch run demo` end to end",
     "demo-colors": "tests/stages/test_user_task_chain.py runs `stitch run demo-colors --dpo` with its rows and steps shrunk",
 }
 NOT_RUN = {
-    "qwen3.5-4b": "needs the pinned Qwen3.5-4B weights (hub) and a GPU with >= 80 GB; its tiny twin qwen3.5-tiny "
-    "runs alignment + SFT in tests/stages/test_training.py",
-    "qwen3.6-35b-a3b": "needs the pinned 35B MoE weights (hub) and >= 192 GB; qwen3.5-moe-tiny stands in for tests",
-    "nemotron-3-nano-4b": "needs the pinned Nemotron Nano weights (hub) and a GPU; nemotron-nano-tiny stands in",
-    "nemotron-3.5-lightning-30b-a3b": "needs the pinned Lightning weights (hub) and ~100 GiB; "
+    "qwen3.5-4b": "needs the pinned Qwen3.5-4B weights (hub) and an H200; its tiny twin qwen3.5-tiny "
+    "runs alignment + SFT in tests/stages/test_training.py; its batch is the models benchmark's (test below)",
+    "qwen3.6-35b-a3b": "needs the pinned 35B MoE weights (hub) and an H200; qwen3.5-moe-tiny stands in for tests",
+    "nemotron-3-nano-4b": "needs the pinned Nemotron Nano weights (hub) and an H200; nemotron-nano-tiny stands in",
+    "nemotron-3.5-lightning-30b-a3b": "needs the pinned Lightning weights (hub) and an H200; "
     "nemotron-lightning-tiny stands in",
     "qwen3.5-4b-grpo-2gpu": "needs 2 GPUs and the pinned Qwen3.5-4B weights; its layout is checked in "
     "tests/config/test_parallel_recipes.py and its Ray/refit path runs on CPU (gloo) in tests/stages/test_ray_grpo.py",
@@ -41,6 +43,17 @@ def test_shipped_recipe_loads_resolves_and_validates(name):
     assert resolved == recipe.stages
     if "grpo" in resolved and resolved["grpo"].lora:
         assert resolved["grpo"].lora.r == resolved["sft"].lora.r
+
+
+@pytest.mark.parametrize("name", MEASURED_MODELS)
+def test_seed_model_recipes_train_at_the_batch_the_models_benchmark_measures(name):
+    settings, stages = SETTINGS[name], load_recipe(name, get_host()).stages
+    for stage in ("alignment", "sft"):
+        opts = stages[stage]
+        assert (opts.token_budget, opts.batch_size, opts.micro_batch_size) == (settings.budget, settings.batch,
+                                                                             settings.micro), stage
+    assert {stages[s].activation_checkpointing for s in ("alignment", "sft", "grpo")} == {settings.checkpointing}
+    assert {opts.dtype for opts in stages.values()} == {"bfloat16"}  # fp32 weights of a 35B MoE fill an H200
 
 
 def test_grpo_lora_that_does_not_restate_sft_is_refused_at_load(tmp_path):

@@ -6,6 +6,8 @@ two (skipped without CUDA and flash-linear-attention; run on the GPU machine, se
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from stitch.data.packing import Sample, collate_packs
 from stitch.host.host import get_host, load_plugins
 from stitch.kernels import varlen
 from stitch.kernels.varlen import cu_seqlens_from_positions
+from stitch.model.loading import load_model, packs_loaded
 from stitch_nemotron.generation import NemotronHForCausalLM
 from stitch_nemotron.kernels import (
     FLA,
@@ -224,3 +227,31 @@ def test_fla_conv_and_scan_read_nothing_back_from_the_device_once_a_forward_made
     cu = torch.tensor([0, 40, 170, 171, 300], dtype=torch.int32, device="cuda")
     _scan_and_conv_syncs(cu)  # compiles / autotunes, and makes this tensor's host copy
     assert _scan_and_conv_syncs(cu) == 0
+
+
+def test_a_hopper_gpu_with_a_triton_fla_refuses_loads_the_stock_mixers_and_names_the_pin(monkeypatch, caplog):
+    spec = load_plugins().get("models", "nemotron-nano-tiny")
+    monkeypatch.setattr(varlen, "_SAID", set())
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(varlen, "fla_kernels_importable", lambda: None)  # fla imports...
+    monkeypatch.setattr(varlen, "installed_version", lambda name: "3.6.0")  # ...against torch 2.11's Triton
+    with caplog.at_level(logging.INFO, logger="stitch"):
+        models = [load_model(spec, registry=get_host()) for _ in range(2)]
+    (said,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said.startswith("stitch-nemotron[kernels]: Triton 3.6.0") and 'pip install "triton>=3.7.1"' in said
+    for model in models:  # fla's simple-GLA backward would raise: the mixers stay transformers' own
+        assert not packs_loaded(spec, model)
+        assert not any(type(m).__name__ == "KernelMamba2Mixer" for m in model.modules())
+
+
+def test_a_gpu_without_the_extra_loads_the_stock_mixers_and_names_the_extra(monkeypatch, caplog):
+    spec = load_plugins().get("models", "nemotron-nano-tiny")
+    monkeypatch.setattr(varlen, "_SAID", set())
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(varlen, "fla_kernels_importable", lambda: "flash-linear-attention is not installed")
+    with caplog.at_level(logging.INFO, logger="stitch"):
+        model = load_model(spec, registry=get_host())
+    (said,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said.endswith('install: pip install "stitch-nemotron[kernels]"')
+    assert not packs_loaded(spec, model)

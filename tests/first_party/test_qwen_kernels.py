@@ -6,6 +6,10 @@ with flash-linear-attention both run fla's varlen kernels (the GPU test; see BEN
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
+
 import pytest
 import torch
 
@@ -118,3 +122,53 @@ def test_a_transformers_without_the_wrapped_functions_is_refused_by_name(monkeyp
     monkeypatch.delattr(modeling, "causal_conv1d_fn")
     with pytest.raises(RuntimeError, match="causal_conv1d_fn"):
         patch_gated_deltanet()
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_loading_on_a_gpu_without_the_extra_warns_once_naming_it_and_cpu_stays_quiet(monkeypatch, caplog, cuda):
+    from stitch.kernels import varlen
+
+    spec = load_plugins().get("models", "qwen3.5-tiny")
+    monkeypatch.setattr(varlen, "_SAID", set())
+    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+    monkeypatch.setattr(varlen, "fla_kernels_importable", lambda: "flash-linear-attention is not installed")
+    with caplog.at_level(logging.INFO, logger="stitch"):
+        for _ in range(2):  # two loads, one process
+            assert not packs_loaded(spec, load_model(spec, registry=get_host()))
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "[kernels]" in r.getMessage()]
+    assert len(said) == cuda
+    assert all('pip install "stitch-qwen[kernels]"' in line for line in said)
+
+
+def test_a_hopper_gpu_with_a_triton_fla_refuses_trains_on_the_pytorch_rule_and_names_the_pin(monkeypatch, caplog):
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as moe_modeling
+
+    from stitch.kernels import varlen
+
+    spec = load_plugins().get("models", "qwen3.5-tiny")
+    ids = torch.tensor([[5, 9, 14, 22, 31, 8, 40, 41]])
+    expected = load_model(spec, registry=get_host())(input_ids=ids, labels=ids).loss
+    current = modeling.torch_chunk_gated_delta_rule
+    reference = inspect.unwrap(getattr(current, "stitch_original", current))  # under packing's wrapper, if any
+
+    @functools.wraps(reference)  # what transformers' kernel-hub decorator holds once fla imports
+    def fla_rule(*args, **kwargs):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
+
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", fla_rule)
+    # the MoE module is switched too: give it back its own function after the test
+    monkeypatch.setattr(moe_modeling, "torch_chunk_gated_delta_rule", moe_modeling.torch_chunk_gated_delta_rule)
+    monkeypatch.setattr(varlen, "_SAID", set())
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(varlen, "fla_kernels_importable", lambda: None)
+    monkeypatch.setattr(varlen, "installed_version", lambda name: "3.6.0" if name == "triton" else None)
+    with caplog.at_level(logging.INFO, logger="stitch"):
+        model = load_model(spec, registry=get_host())
+    (said,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said.startswith("stitch-qwen[kernels]: Triton 3.6.0") and 'pip install "triton>=3.7.1"' in said
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the forward runs here, on CPU tensors
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.equal(loss, expected)
