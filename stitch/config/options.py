@@ -101,6 +101,8 @@ class AlignmentOptions(StageOptions):
     buffer_size: PositiveInt = Field(64, description="shuffle buffer (samples)")
     packing: Flag = Field(True, description="pack samples into token_budget rows (the model plugin may refuse)")
     lr_projector: PositiveNumber = Field(1e-3, description="projector learning rate")
+    train_turns: Literal["all", "last"] = Field(
+        "all", description="assistant turns of a multi-turn row that carry loss: all of them, or only the last")
 
 
 class SFTOptions(AlignmentOptions):

@@ -135,7 +135,7 @@ def evaluate_final(recipe: Recipe, registry: Registry, out_dir: Path, final: str
         records = []
         for i in range(0, len(rows), batch_size):
             chunk = rows[i : i + batch_size]
-            prompts = [(row.id, server.binding.prompt_ids(row.question, row.num_items), data.features(row))
+            prompts = [(row.id, server.binding.prompt_ids(row.prompt_messages, row.num_items), data.features(row))
                        for row in chunk]
             texts = greedy_answers(payload, server.model, server.engine, server.tokenizer, prompts,
                                    zero_features=zero_features)
