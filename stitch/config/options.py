@@ -160,6 +160,9 @@ class DPOOptions(StageOptions):
         None, description="pairs per forward/backward (gradient accumulation over pairs_per_step); null: all")
     probe_pairs: PositiveInt = Field(32, description="fixed pairs scored before and after training")
     lora: LoraOptions | None = Field(None, description="restates SFT's adapter (r, alpha must match)")
+    warm_start: Literal["sft", "grpo"] = Field(
+        "sft", description="the earlier stage whose latest checkpoint (adapter + projector) DPO starts from and "
+                           "keeps frozen as its reference; the recipe must declare it")
 
 
 STAGE_OPTIONS: dict[str, type[StageOptions]] = {
