@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -13,6 +14,8 @@ _CHECKPOINT_HELP = "A checkpoints root (LATEST is used), a step dir, or a PEFT d
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    """Rows ``{image, question}`` or ``{images: [...], messages: [{role, content}, ...]}`` (a whole history ending
+    with the user's turn; each image goes where its ``<image>`` marker stands), every field checked."""
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -21,16 +24,37 @@ def _read_jsonl(path: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: line {number}: not JSON ({exc})") from exc
-        for key in ("image", "question"):
-            if not isinstance(row, dict) or not isinstance(row.get(key), str):
-                raise ValueError(f"{path}: line {number}: field {key!r}: expected a string, got "
-                                 f"{row.get(key) if isinstance(row, dict) else row!r}")
-        image = Path(row["image"])
-        row["image"] = str(image if image.is_absolute() else path.parent / image)
-        if not Path(row["image"]).is_file():
-            raise ValueError(f"{path}: line {number}: field 'image': {row['image']} does not exist")
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {number}: expected a JSON object, got {row!r}")
+        where = f"{path}: line {number}"
+        images = _field(row, "images", "image", where, lambda v: isinstance(v, list) and v and all(
+            isinstance(i, str) for i in v), "a non-empty list of file names")
+        _field(row, "messages", "question", where, lambda v: isinstance(v, list) and v and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in v), "a list of {role, content} turns")
+        resolved = []
+        for image in images if isinstance(images, list) else [images]:
+            full = Path(image) if Path(image).is_absolute() else path.parent / image
+            if not full.is_file():
+                raise ValueError(f"{where}: field 'image(s)': {full} does not exist")
+            resolved.append(str(full))
+        if "images" in row:
+            row["images"] = resolved
+        else:
+            row["image"] = resolved[0]
         rows.append(row)
     return rows
+
+
+def _field(row: dict, many: str, one: str, where: str, valid: Callable[[object], bool], shape: str) -> object:
+    """``row[many]`` when it is there (checked), else ``row[one]``, a string."""
+    if many in row:
+        if not valid(row[many]):
+            raise ValueError(f"{where}: field {many!r}: expected {shape}, got {row[many]!r}")
+        return row[many]
+    if not isinstance(row.get(one), str):
+        raise ValueError(f"{where}: field {one!r}: expected a string (or {many!r}: {shape}), got {row.get(one)!r}")
+    return row[one]
 
 
 @app.command()
@@ -38,7 +62,8 @@ def infer(
     adapter: Path = typer.Option(..., "--adapter", help=_CHECKPOINT_HELP),
     image: Path = typer.Option(None, "--image", help="The input file (an image for CLIP)."),
     question: str = typer.Option(None, "--question"),
-    input_rows: Path = typer.Option(None, "--input", help="JSONL rows {image, question[, id]}: answer them all."),
+    input_rows: Path = typer.Option(None, "--input", help="JSONL rows {image, question[, id]} or {images, messages"
+                                                           "[, id]} (a whole history): answer them all."),
     output: Path = typer.Option(None, "--output", help="With --input: JSONL answers (default: stdout)."),
     engine: str = typer.Option("embedded", "--engine", help="A registered rollout engine."),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
@@ -67,7 +92,8 @@ def infer(
         return
     answers = []
     for row in tqdm(rows, desc="infer", disable=output is None):
-        answers.append({**row, "answer": server.answer(row["image"], row["question"], max_new_tokens=max_new_tokens)})
+        media, prompt = row.get("images", row.get("image")), row.get("messages", row.get("question"))
+        answers.append({**row, "answer": server.answer(media, prompt, max_new_tokens=max_new_tokens)})
     text = "".join(json.dumps(a) + "\n" for a in answers)
     if output is None:
         typer.echo(text, nl=False)
@@ -124,8 +150,9 @@ def serve(
 
 
 def _checkpoint_of(path: Path) -> Path:
-    """A run directory stands for the checkpoints of its final policy: GRPO's, else DPO's, else SFT's."""
-    for stage in ("grpo", "dpo", "sft"):
+    """A run directory stands for the checkpoints of its final policy, the last stage of the chain that ran: DPO's,
+    else GRPO's, else SFT's."""
+    for stage in ("dpo", "grpo", "sft"):
         if (path / stage / "checkpoints" / "LATEST").is_file():
             return path / stage / "checkpoints"
     return path

@@ -101,6 +101,8 @@ class AlignmentOptions(StageOptions):
     buffer_size: PositiveInt = Field(64, description="shuffle buffer (samples)")
     packing: Flag = Field(True, description="pack samples into token_budget rows (the model plugin may refuse)")
     lr_projector: PositiveNumber = Field(1e-3, description="projector learning rate")
+    train_turns: Literal["all", "last"] = Field(
+        "all", description="assistant turns of a multi-turn row that carry loss: all of them, or only the last")
 
 
 class SFTOptions(AlignmentOptions):
@@ -158,6 +160,9 @@ class DPOOptions(StageOptions):
         None, description="pairs per forward/backward (gradient accumulation over pairs_per_step); null: all")
     probe_pairs: PositiveInt = Field(32, description="fixed pairs scored before and after training")
     lora: LoraOptions | None = Field(None, description="restates SFT's adapter (r, alpha must match)")
+    warm_start: Literal["sft", "grpo"] = Field(
+        "sft", description="the earlier stage whose latest checkpoint (adapter + projector) DPO starts from and "
+                           "keeps frozen as its reference; the recipe must declare it")
 
 
 STAGE_OPTIONS: dict[str, type[StageOptions]] = {

@@ -514,6 +514,9 @@ class RecipeFile(Strict):
                     if want != got:
                         raise field_error(f"stages.{stage}.lora.{key}",
                                           f"{want} (the warm start restates SFT's adapter)", got)
+        donor = getattr(stages.get("dpo"), "warm_start", None)
+        if donor is not None and donor not in stages:
+            raise field_error("stages.dpo.warm_start", f"a stage the recipe declares ({', '.join(stages)})", donor)
         return self
 
 

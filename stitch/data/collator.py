@@ -1,9 +1,11 @@
 """Prompt rendering and the training collator: the tokenizer-specific half of the data path.
 
-The prompt is the model's chat template over the conversation with ``start + placeholder x N + end`` per
-media item opening the first user turn; ``render_prompt`` is the one function that renders it, for training,
-GRPO rollouts and inference alike, so all three see byte-identical prompts. A training sample is that
-prompt followed by the final answer and EOS; only the answer and EOS carry labels.
+The prompt is the model's chat template over the whole conversation with ``start + placeholder x N + end`` per
+media item: where each ``<image>`` marker of a user (or system) turn stands, or, in a conversation without
+markers, opening the first user turn. ``prompt_token_ids`` is the one function that tokenizes it, for training,
+GRPO rollouts, evaluation, inference and serving alike, so all of them see byte-identical prompts. A training
+sample is that prompt followed by the final answer and EOS; the final answer and EOS carry labels, and with
+``turns="all"`` so does every earlier assistant turn (its text and the end-of-turn token after it).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,10 +50,45 @@ def media_block(tokenizer: Any, sentinels: SentinelIds | SentinelSpec, tokens_pe
     return (s.start + s.placeholder * tokens_per_item + s.end) * num_items
 
 
+IMAGE_MARKER = "<image>"  # where a media item stands in a user turn (LLaVA's spelling; content parts map to it)
+TrainTurns = Literal["all", "last"]
+
+
 def _conversation(question: str | Messages) -> list[dict[str, str]]:
     if isinstance(question, str):
         return [{"role": "user", "content": question}]
     return [{"role": m["role"], "content": m["content"]} for m in question]
+
+
+def image_markers(messages: Messages) -> int:
+    """How many ``<image>`` markers the conversation's user and system turns hold (assistant text keeps its own)."""
+    return sum(m["content"].count(IMAGE_MARKER) for m in messages if m["role"] != "assistant")
+
+
+def _media_layout(messages: list[dict[str, str]], num_items: int) -> tuple[list[int], int]:
+    """``(users, markers)``: the user turns' indices and the markers the conversation holds; refuses a prompt
+    without a user turn, or markers that do not match ``num_items``."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise CollatorError(f"a prompt needs a user turn; got roles {[m['role'] for m in messages]}")
+    markers = image_markers(messages)
+    if markers and markers != num_items:
+        raise CollatorError(f"the conversation holds {markers} {IMAGE_MARKER} markers but the row has {num_items} "
+                            f"media items; each item needs one marker where it stands, or no marker at all")
+    return users, markers
+
+
+def _content_pieces(message: Mapping[str, str], media: Any, markers: int) -> list[Any]:
+    """A message's content as pieces: text, and ``media`` where each marker stands (user and system turns)."""
+    if not markers or message["role"] == "assistant":
+        return [message["content"]]
+    pieces: list[Any] = []
+    for k, text in enumerate(message["content"].split(IMAGE_MARKER)):
+        if k:
+            pieces.append(media)
+        if text:
+            pieces.append(text)
+    return pieces
 
 
 def render_prompt(
@@ -61,17 +98,20 @@ def render_prompt(
     tokens_per_item: int,
     num_items: int = 1,
 ) -> str:
-    """The prompt as text (chat template + generation prompt), for display and export: the media block (one per
-    item, then a newline) opens the first user turn. Tokenize prompts with ``prompt_token_ids``, never by
-    tokenizing this text (a sentinel spelled in the question would become a control token)."""
+    """The prompt as text (chat template + generation prompt), for display and export: a media block where each
+    ``<image>`` marker stands, or, without markers, one per item then a newline opening the first user turn.
+    Tokenize prompts with ``prompt_token_ids``, never by tokenizing this text (a sentinel spelled in the question
+    would become a control token)."""
     messages = _conversation(question)
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if not users:
-        raise CollatorError(f"a prompt needs a user turn; got roles {[m['role'] for m in messages]}")
-    if num_items:
+    users, markers = _media_layout(messages, num_items)
+    block = media_block(tokenizer, sentinels, tokens_per_item, 1)
+    if markers:
+        for message in messages:
+            if message["role"] != "assistant":
+                message["content"] = message["content"].replace(IMAGE_MARKER, block)
+    elif num_items:
         first = messages[users[0]]
-        block = media_block(tokenizer, sentinels, tokens_per_item, num_items)
-        first["content"] = f"{block}\n{first['content']}"
+        first["content"] = f"{block * num_items}\n{first['content']}"
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -87,44 +127,60 @@ def prompt_token_ids(
 ) -> list[int]:
     """The prompt's token ids: the chat template's own markup tokenized as usual (its control tokens are
     special), every message's text tokenized with ``split_special_tokens`` (a question that spells
-    ``<|vision_start|>`` or ``<|im_end|>`` stays text), and the media block inserted as sentinel ids.
+    ``<|vision_start|>`` or ``<|im_end|>`` stays text), and each media block inserted as sentinel ids where its
+    ``<image>`` marker stands (without markers: all of them opening the first user turn).
 
     Training, rollouts, evaluation, DPO, inference and serving all tokenize prompts here.
     """
+    return _prompt_with_spans(tokenizer, question, sentinels, tokens_per_item, num_items)[0]
+
+
+def _prompt_with_spans(
+    tokenizer: Any,
+    question: str | Messages,
+    sentinels: SentinelIds | SentinelSpec,
+    tokens_per_item: int,
+    num_items: int,
+) -> tuple[list[int], dict[int, tuple[int, int]]]:
+    """``prompt_token_ids`` and, per message index, the ``[start, end)`` of its content's ids."""
     s = _sentinels(tokenizer, sentinels)
     messages = _conversation(question)
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if not users:
-        raise CollatorError(f"a prompt needs a user turn; got roles {[m['role'] for m in messages]}")
-    media = [s.ids.start, *[s.ids.placeholder] * tokens_per_item, s.ids.end] * num_items
+    users, markers = _media_layout(messages, num_items)
+    media = [s.ids.start, *[s.ids.placeholder] * tokens_per_item, s.ids.end]
     pieces: list[list[int] | str] = []
+    owner: list[int] = []  # the message each piece belongs to
 
-    def mark(piece: list[int] | str) -> str:
+    def mark(piece: list[int] | str, message: int) -> str:
         pieces.append(piece)
+        owner.append(message)
         return f"\ue000{len(pieces) - 1}\ue001"
 
     marked = []
     for i, message in enumerate(messages):
-        content = mark(message["content"])
-        if num_items and i == users[0]:
-            content = f"{mark(media)}\n{content}"
+        content = "".join(mark(p, i) for p in _content_pieces(message, media, markers))
+        if num_items and not markers and i == users[0]:
+            content = f"{mark(media * num_items, i)}\n{content}"
         marked.append({"role": message["role"], "content": content})
     rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
     ids: list[int] = []
     seen: list[int] = []
+    spans: dict[int, tuple[int, int]] = {}
     position = 0
     for match in _MARK.finditer(rendered):
         ids += _text_ids(tokenizer, rendered[position : match.start()], markup=True)
         index = int(match.group(1))
         seen.append(index)
         piece = pieces[index]
+        begin = len(ids)
         ids += piece if isinstance(piece, list) else _text_ids(tokenizer, piece, markup=False)
+        first, _ = spans.get(owner[index], (begin, begin))
+        spans[owner[index]] = (first, len(ids))
         position = match.end()
     ids += _text_ids(tokenizer, rendered[position:], markup=True)
     if sorted(seen) != list(range(len(pieces))):
         raise CollatorError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} dropped or repeated "
                             f"message content ({len(pieces)} pieces, rendered {len(seen)})")
-    return ids
+    return ids, spans
 
 
 def _text_ids(tokenizer: Any, text: str, *, markup: bool) -> list[int]:
@@ -147,12 +203,14 @@ def tokenize_example(
     num_items: int,
     *,
     row_id: str = "?",
+    turns: TrainTurns = "last",
 ) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` for a conversation ending with the assistant's answer.
 
     ``input_ids`` = prompt ids (``prompt_token_ids`` of every turn before the answer) + answer ids + EOS;
     ``labels`` are ``-100`` on the prompt (media placeholders included) and equal to ``input_ids`` on the
-    answer and EOS. The prompt must hold exactly ``num_items`` media blocks of ``tokens_per_item``
+    answer and EOS; with ``turns="all"`` also on every earlier assistant turn's text and the EOS token the chat
+    template closes it with. The prompt must hold exactly ``num_items`` media blocks of ``tokens_per_item``
     placeholders: a sentinel token typed into the text itself is refused, naming the row.
     """
     if not messages or messages[-1]["role"] != "assistant":
@@ -161,7 +219,10 @@ def tokenize_example(
     eos = tokenizer.eos_token_id
     if eos is None:
         raise CollatorError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no eos_token_id")
-    prompt = prompt_token_ids(tokenizer, messages[:-1], sentinels, tokens_per_item, num_items)
+    try:
+        prompt, spans = _prompt_with_spans(tokenizer, messages[:-1], sentinels, tokens_per_item, num_items)
+    except CollatorError as exc:
+        raise CollatorError(f"row {row_id!r}: {exc}") from None
     answer = answer_token_ids(tokenizer, messages[-1]["content"])
     sentinel_ids = {s.ids.start, s.ids.placeholder, s.ids.end}
     for role, want in (("start", num_items), ("placeholder", num_items * tokens_per_item), ("end", num_items)):
@@ -174,7 +235,15 @@ def tokenize_example(
             )
     if sentinel_ids & set(answer):
         raise CollatorError(f"row {row_id!r}: the answer text contains a media sentinel token")
-    return prompt + answer, [IGNORE_INDEX] * len(prompt) + answer
+    labels = [IGNORE_INDEX] * len(prompt) + answer
+    if turns == "all":
+        for index, (start, end) in spans.items():
+            if messages[index]["role"] != "assistant":
+                continue
+            if end < len(prompt) and prompt[end] == eos:  # the turn's end-of-turn token is learned as EOS is
+                end += 1
+            labels[start:end] = prompt[start:end]
+    return prompt + answer, labels
 
 
 class Collator:

@@ -156,6 +156,11 @@ class ManifestRow:
     def answer(self) -> str:
         return self.messages[-1]["content"]
 
+    @property
+    def prompt_messages(self) -> list[dict[str, str]]:
+        """The whole history before the final answer: what rollouts, evaluation and inference render."""
+        return [dict(m) for m in self.messages[:-1]]
+
     def task_row(self) -> TaskRow:
         """What a task (reward, grader, pair source) sees of this row."""
         return TaskRow(self.id, self.question, self.answer, dict(self.extra))

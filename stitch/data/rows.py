@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from stitch.config.recipe import BuiltinSource, DataSource, HubSource, LocalSource, Recipe
-from stitch.data.collator import tokenize_example
+from stitch.data.collator import IMAGE_MARKER, image_markers, tokenize_example
 from stitch.data.feature_cache import (
     SHARD_FORMAT,
     SHARD_TENSOR,
@@ -281,7 +281,28 @@ def media_items(value: Any, row_id: str, position: int, column: str) -> list[Any
     return values
 
 
-LLAVA_IMAGE_MARKER = "<image>"
+_IMAGE_PARTS = {"image", "image_url", "input_image"}  # content-part types that stand for one media item
+
+
+def _content_text(content: Any) -> str | None:
+    """A turn's content as text: a string as it is, or OpenAI-style content parts joined, each image part
+    becoming an ``<image>`` marker where it stands; None when it is neither."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, int | float) and not isinstance(content, bool):
+        return str(content)  # a JSON column decodes an all-digit answer such as "3" to a number
+    if not isinstance(content, list) or not all(isinstance(part, Mapping) for part in content):
+        return None
+    out = []
+    for part in content:
+        kind = part.get("type")
+        if kind in _IMAGE_PARTS:
+            out.append(IMAGE_MARKER)
+        elif kind == "text" and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        else:
+            return None
+    return "".join(out)
 
 
 def _messages(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int) -> list[dict[str, str]]:
@@ -303,18 +324,36 @@ def _messages(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int
                                                           f"{short_value(value)}", "bad-messages")
     out = []
     for turn in value:
-        role = turn.get("role", turn.get("from")) if isinstance(turn, Mapping) else None
-        content = turn.get("content", turn.get("value")) if isinstance(turn, Mapping) else None
-        if role not in _ROLES or not isinstance(content, str):
+        role = _turn_field(turn, "role", "from")
+        content = _content_text(_turn_field(turn, "content", "value"))
+        if role not in _ROLES or content is None:
             raise InvalidRow(row_id, position, cols.messages,
-                             f"expected {{role, content}} turns (roles {sorted(_ROLES)}), got {short_value(turn)}",
-                             "bad-messages")
-        # LLaVA-style data marks the image with a literal "<image>" in the text; stitch places media itself
-        out.append({"role": _ROLES[role], "content": content.replace(LLAVA_IMAGE_MARKER, "").strip()})
+                             f"expected {{role, content}} turns (roles {sorted(_ROLES)}; content text or "
+                             f"text/image parts), got {short_value(turn)}", "bad-messages")
+        # an "<image>" marker (LLaVA's, or an image content part) stays where it stands: its item goes there
+        out.append({"role": _ROLES[role], "content": content.strip()})
     if out[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in out):
         raise InvalidRow(row_id, position, cols.messages, "messages must contain a user turn and end with the "
                                                           "assistant", "bad-messages")
     return out
+
+
+def _turn_field(turn: Any, *names: str) -> Any:
+    """The first of ``names`` a turn holds (not None): parquet rows carry every key of the column's struct."""
+    if not isinstance(turn, Mapping):
+        return None
+    return next((turn[n] for n in names if turn.get(n) is not None), None)
+
+
+def check_media_count(messages: list[dict[str, str]], values: list[Any], row_id: str, position: int,
+                      column: str) -> None:
+    """A conversation with ``<image>`` markers must hold one per media item (each item goes where its marker
+    stands); one without markers takes its items at the start of the first user turn."""
+    markers = image_markers(messages)
+    if markers and markers != len(values):
+        raise InvalidRow(row_id, position, column, f"{markers} {IMAGE_MARKER} marker(s) in the text but "
+                                                   f"{len(values)} media item(s); expected one marker per item",
+                         "image-count")
 
 
 def extra_columns(recipe: Recipe) -> dict[str, str]:
@@ -372,6 +411,7 @@ def scan_row(raw: Mapping[str, Any], recipe: Recipe, position: int) -> ScannedRo
         row.messages = _messages(raw, recipe, row.id, position)
         row.extra = _extra(raw, recipe, row.id, position)
         row.values = media_items(raw[cols.media], row.id, position, cols.media)
+        check_media_count(row.messages, row.values, row.id, position, cols.media)
     except (InvalidRow, PrepareError) as exc:
         row.error = exc
     return row

@@ -14,7 +14,7 @@ import torch
 
 from stitch.config.options import LoraOptions
 from stitch.config.recipe import Recipe
-from stitch.data.collator import prompt_token_ids, render_prompt
+from stitch.data.collator import Messages, prompt_token_ids, render_prompt
 from stitch.data.sentinels import SentinelError, SentinelIds, resolve_sentinels
 from stitch.model.artifacts import check_provenance, load_projector_artifact, save_projector_artifact
 from stitch.model.loading import (
@@ -123,11 +123,12 @@ class ModelBinding:
         """Media sentinels: an engine must never sample them."""
         return list(self.sentinel_ids.as_dict().values())
 
-    def prompt_text(self, question: str, num_items: int = 1) -> str:
+    def prompt_text(self, question: str | Messages, num_items: int = 1) -> str:
         return render_prompt(self.tokenizer, question, self.sentinel_ids, self.encoder_spec.tokens_per_item, num_items)
 
-    def prompt_ids(self, question: str, num_items: int = 1) -> list[int]:
-        """The prompt's token ids: the question stays text (a sentinel it spells is not a control token)."""
+    def prompt_ids(self, question: str | Messages, num_items: int = 1) -> list[int]:
+        """The prompt's token ids of a question or a whole conversation history: its text stays text (a sentinel it
+        spells is not a control token)."""
         return prompt_token_ids(self.tokenizer, question, self.sentinel_ids, self.encoder_spec.tokens_per_item,
                                 num_items)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from stitch.data.collator import Messages
 from stitch.model.binding import ModelBinding
 from stitch.model.merge import merge_adapter_into_model
 from stitch.plugins.registry import Registry
@@ -94,7 +95,7 @@ class Stitched:
     def device(self) -> torch.device:
         return self.binding.device
 
-    def prompt_text(self, question: str, num_items: int = 1) -> str:
+    def prompt_text(self, question: str | Messages, num_items: int = 1) -> str:
         return self.binding.prompt_text(question, num_items)
 
     def encode(self, raw: Any) -> torch.Tensor:
@@ -107,12 +108,17 @@ class Stitched:
         return encode_item(spec, self._encoder, self._preprocess, raw)
 
     @torch.no_grad()
-    def answer(self, raw: Any, question: str, max_new_tokens: int = 24) -> str:
-        return self.answer_features(self.encode(raw), question, max_new_tokens)
+    def answer(self, raw: Any, question: str | Messages, max_new_tokens: int = 24) -> str:
+        """Greedy answer about one raw item, or a list of them (each goes where its ``<image>`` marker stands in
+        ``question``, a text or a whole conversation history ending with the user's turn)."""
+        items = list(raw) if isinstance(raw, list | tuple) else [raw]
+        features = torch.cat([self.encode(item) for item in items])
+        return self.answer_features(features, question, max_new_tokens)
 
     @torch.no_grad()
-    def answer_features(self, features: torch.Tensor, question: str, max_new_tokens: int = 24) -> str:
-        """Greedy answer from already-encoded features ``[items, tokens, width]`` (e.g. the feature cache)."""
+    def answer_features(self, features: torch.Tensor, question: str | Messages, max_new_tokens: int = 24) -> str:
+        """Greedy answer from already-encoded features ``[items, tokens, width]`` (e.g. the feature cache), the
+        prompt rendered from ``question`` (a text or a conversation history) as rollouts render it."""
 
         payload = payload_for(self.binding.registry, self.encoder_spec)
         ids = self.binding.prompt_ids(question, features.shape[0])

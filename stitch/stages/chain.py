@@ -34,7 +34,7 @@ from stitch.tasks import check_task, majority_baseline, resolve_task
 
 DEFAULT_STAGES = ("alignment", "sft", "grpo")
 # the checkpoint the chain serves: GRPO's when it ran (it refines SFT), else DPO's, else SFT's
-FINAL_STAGE_ORDER = ("grpo", "dpo", "sft")
+POLICY_STAGES = ("sft", "grpo", "dpo")  # stages that leave an adapter to serve, in chain order
 INFERENCE_ROWS = 3
 
 
@@ -81,7 +81,7 @@ def _run_chain(recipe: Recipe, registry: Registry, out_dir: Path, stages: tuple[
             summary["stages"][stage] = json.loads(done.read_text())
             continue
         summary["stages"][stage] = run_stage(recipe, stage, out_dir, registry=registry, progress=progress)
-    final = next((s for s in FINAL_STAGE_ORDER if s in summary["stages"]), None)
+    final = final_stage(summary["stages"])
     summary["final_stage"] = final
     if final is None:
         summary["evaluation"] = summary["inference"] = None  # alignment alone leaves no adapter to serve
@@ -92,6 +92,11 @@ def _run_chain(recipe: Recipe, registry: Registry, out_dir: Path, stages: tuple[
     summary["plots"] = [str(p) for p in plot_run(out_dir, summary)]
     write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def final_stage(ran: Mapping[str, Any]) -> str | None:
+    """The last stage in chain order among those that ran and leave an adapter: what the chain evaluates."""
+    return next((s for s in reversed(STAGES) if s in POLICY_STAGES and s in ran), None)
 
 
 def stage_option(recipe: Recipe, stage: str, key: str, default: Any = None) -> Any:
@@ -135,7 +140,7 @@ def evaluate_final(recipe: Recipe, registry: Registry, out_dir: Path, final: str
         records = []
         for i in range(0, len(rows), batch_size):
             chunk = rows[i : i + batch_size]
-            prompts = [(row.id, server.binding.prompt_ids(row.question, row.num_items), data.features(row))
+            prompts = [(row.id, server.binding.prompt_ids(row.prompt_messages, row.num_items), data.features(row))
                        for row in chunk]
             texts = greedy_answers(payload, server.model, server.engine, server.tokenizer, prompts,
                                    zero_features=zero_features)

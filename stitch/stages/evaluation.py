@@ -34,7 +34,7 @@ def greedy_answers(payload: Any, model: Any, engine: Any, tokenizer: Any,
 def generate_answers(session: Any, model: Any, rows: list[Any], max_new_tokens: int = 12,
                      zero_features: bool = False) -> list[str]:
     """Greedy answers of ``model`` to ``rows`` (their cached features; ``zero_features``: zeroed, a control)."""
-    prompts = [(row.id, session.prompt_ids(row.question, row.num_items), session.data.features(row))
+    prompts = [(row.id, session.prompt_ids(row.prompt_messages, row.num_items), session.data.features(row))
                for row in rows]
     engine = EmbeddedEngine(model.lm, pad_id=session.pad_id, eos_id=session.tokenizer.eos_token_id,
                             suppress_ids=list(session.sentinel_ids.as_dict().values()))

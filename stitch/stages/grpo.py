@@ -164,7 +164,7 @@ class GRPOStage(Stage):
         t0 = time.perf_counter()
         model.eval()
         with torch.no_grad():
-            prompts = [(row.id, session.prompt_ids(row.question, row.num_items), session.data.features(row))
+            prompts = [(row.id, session.prompt_ids(row.prompt_messages, row.num_items), session.data.features(row))
                        for row in drawn]
             embeds = prompt_embeddings(self.payload, model, prompts)
             # seeded by (run seed, step): the same rollouts after a resume, whichever engine or process samples

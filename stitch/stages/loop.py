@@ -282,16 +282,18 @@ def warm_start_source(session: StitchSession, entry: Any, opts: Any) -> Path | N
     over an adapter; None for a stage that starts fresh."""
     if entry.warm_start is None:
         return None
-    root = session.layout.checkpoints(entry.warm_start)
+    source = getattr(opts, "warm_start", None) or entry.warm_start  # a stage may choose its donor (DPO: sft, grpo)
+    root = session.layout.checkpoints(source)
     donor = latest_step_dir(root)
     if donor is None:
         raise FileNotFoundError(
-            f"{entry.name} warm-starts from {entry.warm_start}, but {root} has no LATEST; run "
-            f"`stitch train {entry.warm_start} --recipe {session.recipe.name} --out {session.out_dir}` first"
+            f"{entry.name} warm-starts from {source}, but {root} has no LATEST; run "
+            f"`stitch train {source} --recipe {session.recipe.name} --out {session.out_dir}` first"
         )
     verify_checksums(donor)  # the donor's files are the ones it wrote
     if "adapter" in entry.warm_parts:
-        # what this stage restates about the donor's adapter (rank, alpha); by default the donor stage's own
+        # what this stage restates about the donor's adapter (rank, alpha); by default SFT's, which every later
+        # stage carries on
         lora = getattr(opts, "lora", None) or stage_options(session.recipe, entry.warm_start).lora
         check_warm_start(donor, session.binding.warm_start_expectations(lora))
     return donor

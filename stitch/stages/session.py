@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from stitch.config.recipe import Recipe
-from stitch.data.collator import tokenize_example
+from stitch.data.collator import Messages, TrainTurns, tokenize_example
 from stitch.data.feature_cache import ManifestRow, PreparedData
 from stitch.data.packing import Sample
 from stitch.model.binding import ModelBinding
@@ -77,14 +77,15 @@ class StitchSession:
     def manifest_path(self) -> Path:
         return self.data.manifest_path
 
-    def prompt_ids(self, question: str, num_items: int = 1) -> list[int]:
+    def prompt_ids(self, question: str | Messages, num_items: int = 1) -> list[int]:
         return self.binding.prompt_ids(question, num_items)
 
-    def make_sample(self, record: dict[str, Any]) -> Sample:
-        """A manifest record as a training sample: the chat tokenized with its placeholders, and its features."""
+    def make_sample(self, record: dict[str, Any], turns: TrainTurns = "last") -> Sample:
+        """A manifest record as a training sample: the chat tokenized with its placeholders, and its features;
+        ``turns`` says which assistant turns carry labels (``tokenize_example``)."""
         row = ManifestRow.from_json(record, str(self.manifest_path))
         input_ids, labels = tokenize_example(
             self.tokenizer, row.messages, self.sentinel_ids, self.encoder_spec.tokens_per_item, row.num_items,
-            row_id=row.id,
+            row_id=row.id, turns=turns,
         )
         return Sample(row.id, input_ids, labels, self.data.features(row))

@@ -8,6 +8,7 @@ same global batch and trains on its share; the loss is normalised by the global 
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -35,7 +36,8 @@ class AlignmentStage(Stage):
             log.warning("%s: packing is available on this machine but the loaded model has no sample-boundary "
                         "path; training unpacked", spec.name)
         partition = opts.partition
-        self.stream = PackedStream(ctx.session.manifest_path, ctx.session.make_sample, token_budget=opts.token_budget,
+        make_sample = functools.partial(ctx.session.make_sample, turns=opts.train_turns)
+        self.stream = PackedStream(ctx.session.manifest_path, make_sample, token_budget=opts.token_budget,
                                    buffer_size=opts.buffer_size, seed=opts.seed, pack=self.packed,
                                    rows=lambda row: row["partition"] == partition)
         self.tokens_seen = 0

@@ -117,7 +117,8 @@ def test_prepare_keeps_the_rejected_column_beside_each_row(chain_run):
 def test_stitch_run_grades_the_final_checkpoint_with_the_task_against_the_majority_baseline(chain_run):
     _, summary, stdout = chain_run
     evaluation = summary["evaluation"]
-    assert evaluation["task"] == "exact-match" and evaluation["stage"] == "grpo" == summary["final_stage"]
+    # --dpo ran DPO after GRPO: the chain grades the last stage it ran
+    assert evaluation["task"] == "exact-match" and evaluation["stage"] == "dpo" == summary["final_stage"]
     assert evaluation["partition"] == "eval" and evaluation["rows"] == 8
     assert 0.0 <= evaluation["accuracy"] <= 1.0 and 0.0 <= evaluation["zeroed_features_accuracy"] <= 1.0
     baseline = evaluation["majority_baseline"]
