@@ -130,27 +130,29 @@ def test_llava_export_prompt_ids_and_next_token_logits_equal_stitchs_on_8_held_o
 @pytest.mark.slow
 def test_llava_export_holds_the_checkpoints_merged_adapter_and_projector(llava_dir, sft_run):
     from safetensors.torch import load_file
-    from transformers import AutoConfig
+    from transformers import LlavaForConditionalGeneration
 
+    from stitch.model.binding import ModelBinding
     from stitch.model.merge import merge_adapter_into_model
     from stitch.serve.inference import resolve_checkpoint
 
-    config = AutoConfig.from_pretrained(llava_dir)
-    assert (config.model_type, config.vision_feature_layer, config.image_seq_length) == ("llava", -2, 49)
-    exported = {}
-    for shard in llava_dir.glob("*.safetensors"):
-        exported.update(load_file(str(shard)))
+    llava = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32)
+    config = llava.config
+    assert (config.vision_feature_layer, config.vision_feature_select_strategy, config.image_seq_length) == (
+        -2, "default", 49)
     resolved = resolve_checkpoint(sft_run / "sft" / "checkpoints")
     projector = load_file(str(resolved.projector_dir / "mm-projector.safetensors"))
-    torch.testing.assert_close(exported["model.multi_modal_projector.linear_1.weight"], projector["0.weight"])
-    torch.testing.assert_close(exported["model.multi_modal_projector.linear_2.bias"], projector["2.bias"])
-    from stitch.model.binding import ModelBinding
-
+    mm = llava.model.multi_modal_projector
+    torch.testing.assert_close(mm.linear_1.weight, projector["0.weight"])
+    torch.testing.assert_close(mm.linear_2.bias, projector["2.bias"])
     manifest = json.loads((resolved.projector_dir / "manifest.json").read_text())
     lm = ModelBinding.for_artifact(manifest, "test", get_host(), device="cpu").load_lm()
     assert merge_adapter_into_model(lm, resolved.adapter_dir) > 0
-    name, weight = next((n, w) for n, w in lm.model.state_dict().items() if n.endswith("q_proj.weight"))
-    torch.testing.assert_close(exported[f"model.language_model.{name}"], weight)
+    exported = llava.model.language_model.state_dict()
+    merged = {n: w for n, w in lm.model.state_dict().items() if n.endswith("q_proj.weight")}
+    assert merged
+    for name, weight in merged.items():
+        torch.testing.assert_close(exported[name], weight)
 
 
 def test_linear_projector_as_llava_layers_equals_the_linear_map():
