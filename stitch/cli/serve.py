@@ -105,12 +105,25 @@ def infer(
 @app.command()
 def export(
     checkpoint: Path = typer.Argument(..., help="A run directory (its last stage's LATEST), or " + _CHECKPOINT_HELP),
-    out: Path = typer.Option(..., "--out", help="Export directory: model/ (merged, save_pretrained), projector/."),
+    out: Path = typer.Option(..., "--out", help="Export directory."),
+    format: str = typer.Option(
+        "stitch", "--format", help="stitch: model/ (the merged LM, save_pretrained) + projector/ + "
+        "stitch-export.json, for any encoder. llava: one transformers LLaVA directory (AutoModelForImageTextToText, "
+        "AutoProcessor, the image-text-to-text pipeline), for CLIP-family encoders with an mlp2x_gelu or linear "
+        "projector; other encoders are refused (use stitch)."),
 ) -> None:
-    """Merge the adapter into the base LM and save it with save_pretrained, beside the projector artifact."""
+    """Merge the adapter into the base LM and write it in the chosen format (see --format)."""
     from stitch.host.host import get_host
     from stitch.serve.export import export_checkpoint
+    from stitch.serve.llava_export import export_llava
 
+    if format not in ("stitch", "llava"):
+        raise typer.BadParameter(f"expected stitch or llava, got {format!r}", param_hint="--format")
+    if format == "llava":
+        manifest = export_llava(_checkpoint_of(checkpoint), out, get_host())
+        console.print(f"exported {manifest['base_model']} + {manifest['encoder']} as LLaVA from "
+                      f"{manifest['checkpoint']} -> {out}", highlight=False)
+        return
     manifest = export_checkpoint(_checkpoint_of(checkpoint), out, get_host())
     console.print(f"exported {manifest['base_model']} ({manifest['architecture']}) from {manifest['checkpoint']} "
                   f"-> {out}", highlight=False)

@@ -74,6 +74,11 @@ class StageOptions(Strict):
     eval_partition: Text | None = Field("eval", description="partition graded at the end; null: no evaluation")
     eval_rows: PositiveInt = Field(64, description="rows of eval_partition graded")
     eval_every: NonNegativeInt = Field(0, description="also evaluate every N steps (0: only at the end)")
+    eval_max_new_tokens: PositiveInt = Field(12, description="answer length cap when grading eval_partition")
+    eval_temperature: NonNegativeNumber = Field(0.0, description="sampling temperature when grading (0: greedy)")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list, description="experiment trackers fed the metrics the stage's JSONL gets (each an "
+        "extra: pip install 'stitch-lm[tensorboard]'); wandb runs offline, mlflow in a local file store")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights' dtype while training")
     activation_checkpointing: Literal["off", "full"] | list[Text] = Field(
         "off", description="recompute decoder layers in backward instead of keeping their activations: off, full "

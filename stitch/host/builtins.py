@@ -12,7 +12,7 @@ from stitch.model.projector import PROJECTORS
 from stitch.plugins.hookspecs import hookimpl
 from stitch.plugins.specs import RecipeSpec, RolloutEngineSpec
 from stitch.rollout.engines import EmbeddedEngine
-from stitch.rollout.vllm_engine import vllm_engine_factory
+from stitch.rollout.vllm_engine import vllm_engine_factory, vllm_lora_engine_factory
 from stitch.tasks.generic import CONTAINS, EXACT_MATCH
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "demo" / "recipes"
@@ -41,6 +41,8 @@ def register_rollout_engines(register):
     if importlib.util.find_spec("vllm") is not None:  # vLLM itself is imported only when the engine is built
         register(RolloutEngineSpec("vllm", vllm_engine_factory, "vLLM in-process: prompt embeddings, merged "
                                    "weights refit in place (enable_prompt_embeds)"))
+        register(RolloutEngineSpec("vllm-lora", vllm_lora_engine_factory, "vLLM in-process: prompt embeddings, "
+                                   "base weights loaded once, each refit ships only the LoRA adapter (vLLM's LoRA)"))
 
 
 @hookimpl

@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from stitch.model.merge import MergeError, lora_deltas, merge_into_state_dict
 from stitch.rollout.engines import Completion, sampling_seed
 
 _LISTED = 8  # names shown in an error before "... and N more"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM's LoRAConfig takes
 
 
 class RefitError(ValueError):
@@ -67,12 +69,40 @@ def merged_state_dict(lm: torch.nn.Module) -> dict[str, torch.Tensor]:
         if config.get(field):
             raise MergeError(f"adapter {adapter_name!r} sets {field}; the merge applies one alpha/r to every module")
     deltas = lora_deltas(config, get_peft_model_state_dict(lm, adapter_name=adapter_name))
+    return merge_into_state_dict(base_state_dict(lm), deltas)
+
+
+def base_state_dict(lm: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The HF-named state dict of ``lm``'s base weights: a peft model's LoRA tensors left out, its wrapped layers
+    under their plain names."""
+    if not getattr(lm, "peft_config", None):
+        return {k: v.detach() for k, v in lm.state_dict().items()}
     base = {}
     for key, value in lm.get_base_model().state_dict().items():
         if any(part.startswith("lora_") for part in key.split(".")):
             continue
         base[key.replace(".base_layer.", ".")] = value.detach()
-    return merge_into_state_dict(base, deltas)
+    return base
+
+
+def lora_slot_rank(rank: int) -> int:
+    """The smallest LoRA slot size vLLM accepts (``max_lora_rank``) that holds an adapter of ``rank``."""
+    for size in VLLM_LORA_RANKS:
+        if size >= rank:
+            return size
+    raise RefitError(f"LoRA-only refit: rank {rank} exceeds vLLM's largest LoRA slot ({VLLM_LORA_RANKS[-1]})")
+
+
+def adapter_rank(lm: torch.nn.Module) -> int:
+    """The rank of ``lm``'s one LoRA adapter (what vLLM's LoRA slots are sized for)."""
+    peft_config = getattr(lm, "peft_config", None)
+    if not peft_config or len(peft_config) != 1:
+        raise RefitError(f"LoRA-only refit needs a policy with exactly one LoRA adapter, found "
+                         f"{sorted(peft_config or {})}")
+    (config,) = peft_config.values()
+    if config.rank_pattern or config.alpha_pattern:
+        raise RefitError("LoRA-only refit: the adapter sets rank_pattern/alpha_pattern; refit merged weights")
+    return int(config.r)
 
 
 def write_engine_config(lm: torch.nn.Module, out_dir: Path) -> Path:
@@ -149,6 +179,7 @@ class VLLMEngine:
         seed: int = 0,
         suppress_ids: Sequence[int] = (),
         vocab_size: int | None = None,
+        lora_rank: int | None = None,
         **llm_options: Any,
     ) -> None:
         floating = [t.dtype for t in state_dict.values() if t.is_floating_point()]
@@ -164,6 +195,9 @@ class VLLMEngine:
                 raise ValueError("suppress_ids needs vocab_size")
             self.allowed_ids = [i for i in range(vocab_size) if i not in set(suppress_ids)]
         self.source_lm = source_lm
+        # LoRA-only refit: the engine holds the base weights and each refit ships the adapter (vLLM's LoRA)
+        self.lora_rank, self.lora_request, self._adapters = lora_rank, None, 0
+        self.refit_bytes = 0  # bytes the last refit handed the engine (whole state dict, or the adapter's files)
         payload = self.validate(state_dict)
 
         vllm = _import_vllm()
@@ -185,6 +219,9 @@ class VLLMEngine:
             "enable_prefix_caching": False,
         }
         options["max_model_len"] = max_model_len or _default_max_model_len(Path(model_dir))
+        if lora_rank is not None:
+            options.update(enable_lora=True, max_lora_rank=lora_slot_rank(lora_rank), max_loras=1)
+            self._lora_root = tempfile.TemporaryDirectory(prefix="stitch-vllm-lora-")
         if current_platform.is_cpu():
             options["block_size"] = 32  # the CPU backend rejects 16
         options.update(llm_options)
@@ -193,14 +230,21 @@ class VLLMEngine:
         self._load(payload)
 
     @classmethod
-    def from_lm(cls, lm: torch.nn.Module, *, pad_id: int, eos_id: int | None, **options: Any) -> VLLMEngine:
+    def from_lm(cls, lm: torch.nn.Module, *, pad_id: int, eos_id: int | None, lora_refit: bool = False,
+                **options: Any) -> VLLMEngine:
         """An engine for the live policy ``lm`` (plain or peft): its config, its merged weights; ``refit(None)``
-        re-merges from it after each update."""
+        re-merges from it after each update. ``lora_refit``: the engine holds the base weights and each
+        ``refit(None)`` ships only the policy's adapter (vLLM's LoRA), loaded here once at start."""
         config_dir = tempfile.TemporaryDirectory(prefix="stitch-vllm-")
         write_engine_config(lm, Path(config_dir.name))
         options.setdefault("vocab_size", lm.get_output_embeddings().weight.shape[0])
-        engine = cls(config_dir.name, merged_state_dict(lm), pad_id=pad_id, eos_id=eos_id, source_lm=lm, **options)
+        if lora_refit:
+            options["lora_rank"] = adapter_rank(lm)
+        weights = base_state_dict(lm) if lora_refit else merged_state_dict(lm)
+        engine = cls(config_dir.name, weights, pad_id=pad_id, eos_id=eos_id, source_lm=lm, **options)
         engine._config_dir = config_dir  # kept alive with the engine
+        if lora_refit:
+            engine.refit(None)
         return engine
 
     # -- weights ------------------------------------------------------------------------------------------
@@ -235,19 +279,49 @@ class VLLMEngine:
 
     def _load(self, payload: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(payload.items())})
+        self.refit_bytes = sum(t.numel() * t.element_size() for t in payload.values())
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a reload (requests still running?)")
 
     def refit(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | None = None) -> None:
         """Load new weights: a full merged state dict, a (peft) LM to merge, or ``None`` to re-merge the live
-        policy the engine was built from. The payload is validated whole before vLLM sees any of it."""
+        policy the engine was built from. The payload is validated whole before vLLM sees any of it. An engine
+        built with ``lora_refit`` takes a peft LM (or ``None``: the live policy) and ships its adapter only."""
         if weights is None:
             if self.source_lm is None:
                 raise RefitError("refit(None) needs the engine to be built from a live LM (VLLMEngine.from_lm)")
             weights = self.source_lm
+        if self.lora_rank is not None:
+            if not isinstance(weights, torch.nn.Module):
+                raise RefitError("this engine refits LoRA adapters (lora_refit): pass the peft policy, not a state dict")
+            self._load_adapter(weights)
+            return
         if isinstance(weights, torch.nn.Module):
             weights = merged_state_dict(weights)
         self._load(self.validate(weights))
+
+    def _load_adapter(self, lm: torch.nn.Module) -> None:
+        """Save ``lm``'s adapter (peft's safetensors layout), add it to vLLM under a new id, drop the previous."""
+        from vllm.lora.request import LoRARequest
+
+        if adapter_rank(lm) != self.lora_rank:
+            raise RefitError(f"LoRA-only refit: adapter rank {adapter_rank(lm)}, the engine was built for "
+                             f"{self.lora_rank}")
+        self._adapters += 1
+        path = Path(self._lora_root.name) / f"update-{self._adapters}"
+        lm.save_pretrained(str(path), safe_serialization=True)
+        request = LoRARequest(f"policy-{self._adapters}", self._adapters, str(path))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RefitError(f"vLLM refused the adapter at {path}")
+        previous, self.lora_request = self.lora_request, request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.refit_bytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        self._reset_prefix_cache()
 
     # -- generation ---------------------------------------------------------------------------------------
 
@@ -275,7 +349,7 @@ class VLLMEngine:
         per_prompt = [SamplingParams(**params, seed=None if seed is None else sampling_seed(seed, i))
                       for i in range(len(prompt_embeds))]
         prompts = [{"prompt_embeds": e.detach().to(device="cpu", dtype=self.dtype)} for e in prompt_embeds]
-        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, lora_request=self.lora_request)
         completions = []
         for index, output in enumerate(outputs):
             for sample in sorted(output.outputs, key=lambda s: s.index):
@@ -300,11 +374,17 @@ class VLLMEngine:
             destroy_distributed_environment()
         except Exception:  # noqa: BLE001 - best effort: nothing else to release
             pass
-        config_dir = self.__dict__.pop("_config_dir", None)
-        if config_dir is not None:
-            config_dir.cleanup()
+        for name in ("_config_dir", "_lora_root"):
+            directory = self.__dict__.pop(name, None)
+            if directory is not None:
+                directory.cleanup()
 
 
 def vllm_engine_factory(lm: torch.nn.Module, pad_id: int, eos_id: int | None, **options: Any) -> VLLMEngine:
     """The ``vllm`` rollout engine for the live policy ``lm`` (what grpo and inference call)."""
     return VLLMEngine.from_lm(lm, pad_id=pad_id, eos_id=eos_id, **options)
+
+
+def vllm_lora_engine_factory(lm: torch.nn.Module, pad_id: int, eos_id: int | None, **options: Any) -> VLLMEngine:
+    """The ``vllm-lora`` rollout engine: base weights once, then only the policy's adapter at each refit."""
+    return VLLMEngine.from_lm(lm, pad_id=pad_id, eos_id=eos_id, lora_refit=True, **options)

@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import json
 import resource
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from stitch.runs.atomic import write_text_atomic
 
 
-class MetricsLog:
-    """Append-only JSONL of per-step metrics; on resume, lines past the checkpoint step are dropped."""
+class MetricsSink(Protocol):
+    """Somewhere else each record goes (an experiment tracker, ``stitch.runs.trackers``)."""
 
-    def __init__(self, path: Path) -> None:
+    def write(self, record: Mapping[str, Any]) -> None: ...
+
+
+class MetricsLog:
+    """Append-only JSONL of per-step metrics; on resume, lines past the checkpoint step are dropped. Each record
+    written also goes to ``sinks``."""
+
+    def __init__(self, path: Path, sinks: Sequence[MetricsSink] = ()) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.sinks = tuple(sinks)
 
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
@@ -34,6 +43,8 @@ class MetricsLog:
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
             fh.flush()
+        for sink in self.sinks:
+            sink.write(record)
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():

@@ -205,6 +205,8 @@ class GRPOStage(Stage):
                   "rollout_s": rollout_s, "logprob_s": logprob_s, "update_s": update_s, "refit_s": refit_s}
         if drift is not None:
             record["projector_drift"] = drift
+        if getattr(self.engine, "refit_bytes", None) is not None:  # engines that count what a refit moved
+            record["refit_bytes"] = self.engine.refit_bytes
         return record
 
     def state_dict(self) -> dict[str, Any]:

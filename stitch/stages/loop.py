@@ -38,6 +38,7 @@ from stitch.runs.environment import environment
 from stitch.runs.layout import RunLayout
 from stitch.runs.lock import RunLock
 from stitch.runs.metrics import MetricsLog, peak_memory_bytes
+from stitch.runs.trackers import TrackerSet, check_trackers, open_trackers
 from stitch.stages.distributed import DataParallel, launch_rank, launch_world_size
 from stitch.stages.evaluation import evaluate_accuracy
 from stitch.stages.registry import STAGES
@@ -164,6 +165,7 @@ class StageContext:
     grad_norm: float | None = None
     progress: bool = True
     t_start: float = 0.0
+    trackers: TrackerSet | None = None  # the recipe's report_to, on rank 0
 
     @property
     def layout(self) -> RunLayout:
@@ -179,7 +181,7 @@ class StageContext:
 
     @property
     def metrics(self) -> MetricsLog:
-        return MetricsLog(self.layout.metrics(self.name))
+        return MetricsLog(self.layout.metrics(self.name), sinks=() if self.trackers is None else (self.trackers,))
 
     def update(self) -> float:
         """Apply the accumulated gradients: audit them, clip to ``grad_clip`` (None: no clipping), step the
@@ -203,7 +205,9 @@ class StageContext:
     def evaluate(self) -> float:
         """The recipe task's held-out accuracy on ``eval_partition`` (sharded weights gathered for generation)."""
         with self.dp.full_parameters(self.model):
-            return evaluate_accuracy(self.session, self.model, self.opts.eval_partition, limit=self.opts.eval_rows)
+            return evaluate_accuracy(self.session, self.model, self.opts.eval_partition, limit=self.opts.eval_rows,
+                                     max_new_tokens=self.opts.eval_max_new_tokens,
+                                     temperature=self.opts.eval_temperature, seed=self.opts.seed)
 
 
 def run_stage(recipe: Recipe, name: str, out_dir: Path, *, registry: Registry, resume: bool = False,
@@ -233,6 +237,7 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
         raise ValueError(f"unknown stage {name!r}; known: {list(STAGES)}")
     entry = STAGES[name]
     opts = checked_options(recipe, name)
+    check_trackers(opts.report_to, f"{recipe.where()}: stages.{name}.report_to")
     runner = entry.stage_class()(opts)
     world = launch_world_size()
     if entry.data_parallel:
@@ -253,6 +258,9 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
     if dp.is_main and hasattr(recipe, "resolved_yaml"):
         text = recipe.resolved_yaml() if callable(recipe.resolved_yaml) else recipe.resolved_yaml
         write_text_atomic(ctx.layout.recipe, text)
+    if dp.is_main and opts.report_to:
+        ctx.trackers = cleanup.enter_context(open_trackers(
+            opts.report_to, ctx.layout.stage_dir(name) / "trackers", f"{recipe.name}-{name}", tracker_config(opts)))
 
     args = runner.model_args()
     if ctx.warm_start is not None:
@@ -275,6 +283,11 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
     ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, lr_lambda(opts))
     runner.build(ctx)
     return ctx
+
+
+def tracker_config(opts: StageOptions) -> dict[str, Any]:
+    """The stage's scalar options, as the parameters a tracker records with the run."""
+    return {k: v for k, v in opts.model_dump(mode="json").items() if isinstance(v, str | int | float | bool)}
 
 
 def warm_start_source(session: StitchSession, entry: Any, opts: Any) -> Path | None:

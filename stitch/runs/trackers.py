@@ -1,0 +1,179 @@
+"""Experiment trackers (a stage's ``report_to``): the records a stage writes to its metrics JSONL, also sent to
+TensorBoard, Weights & Biases (offline), MLflow (a local file store) or trackio, each behind one small interface.
+
+Each tracker's package is an optional extra (``pip install 'stitch-lm[tensorboard]'``); a recipe that names one
+whose package is missing is refused when the stage starts, before any model loads. Everything is written under
+the stage's directory (``<out>/<stage>/trackers/<tracker>``): nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+# the module each tracker imports, and the extra that installs it
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+SKIPPED_KEYS = ("step", "final")
+
+
+class TrackerError(ValueError):
+    """A tracker the recipe names that cannot run here (unknown, or its package not installed)."""
+
+
+class Tracker(Protocol):
+    """One experiment tracker: scalar metrics at a step, then closed once."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numbers of a metrics record (booleans, text, lists, None and the step itself left out);
+    a record's ``final`` evaluation is reported under ``final/<name>``."""
+    prefix = "final/" if record.get("final") else ""
+    out = {}
+    for key, value in record.items():
+        if key in SKIPPED_KEYS or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if math.isfinite(value):
+            out[prefix + key] = float(value)
+    return out
+
+
+class TensorBoardTracker:
+    """Scalars in a TensorBoard event file (``torch.utils.tensorboard``, which needs the tensorboard package)."""
+
+    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard extra
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer.add_text("recipe", f"run {run_name}\n\n" + "\n".join(f"    {k}: {v}" for k, v in config.items()))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A W&B run in offline mode (``wandb sync <dir>`` uploads it later, if the user wants)."""
+
+    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+        import wandb  # optional: needs the wandb extra
+
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.wandb = wandb
+        self.run = wandb.init(mode="offline", dir=str(log_dir), project="stitch", name=run_name, config=config,
+                              reinit="create_new", settings=wandb.Settings(silent=True, console="off"))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+        # finish() returns before wandb's service has written the run file's last records; teardown waits for it
+        self.wandb.teardown()
+
+
+class MlflowTracker:
+    """An MLflow run in a local file store (``mlflow ui --backend-store-uri <dir>`` shows it)."""
+
+    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+        from mlflow.tracking import MlflowClient  # optional: needs the mlflow extra
+
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=log_dir.resolve().as_uri())
+        experiment = self.client.get_experiment_by_name("stitch")
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment("stitch")
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        for key, value in config.items():
+            self.client.log_param(self.run_id, key, str(value)[:500])
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric  # optional: needs the mlflow extra
+
+        stamp = int(os.times().elapsed * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, stamp, step) for k, v in metrics.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class TrackioTracker:
+    """A trackio run (local-first: a SQLite store under ``TRACKIO_DIR``, here the stage's tracker directory)."""
+
+    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TRACKIO_DIR", str(log_dir))
+        import trackio  # optional: needs the trackio extra
+
+        self.trackio = trackio
+        self.run = trackio.init(project="stitch", name=run_name, config=config)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.trackio.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+FACTORIES: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,
+                              "trackio": TrackioTracker}
+
+
+def check_trackers(names: Iterable[str], where: str = "report_to") -> None:
+    """Refuse (one line) a tracker that is unknown or whose package is not installed, before any work starts."""
+    for name in names:
+        if name not in FACTORIES:
+            raise TrackerError(f"{where}: unknown tracker {name!r}; expected one of {', '.join(TRACKERS)}")
+        if importlib.util.find_spec(PACKAGES[name]) is None:
+            raise TrackerError(f"{where}: tracker {name!r} needs the {PACKAGES[name]} package, which is not "
+                               f"installed: pip install 'stitch-lm[{name}]'")
+
+
+class TrackerSet:
+    """The trackers of one stage, fed the same records as its metrics JSONL (``MetricsLog`` sinks)."""
+
+    def __init__(self, trackers: dict[str, Tracker]) -> None:
+        self.trackers = trackers
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        metrics = scalars(record)
+        if metrics:
+            for tracker in self.trackers.values():
+                tracker.log(metrics, int(record["step"]))
+
+    def close(self) -> None:
+        for tracker in self.trackers.values():
+            tracker.close()
+        self.trackers = {}
+
+    def __enter__(self) -> TrackerSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_trackers(names: Iterable[str], root: Path, run_name: str, config: dict[str, Any] | None = None,
+                  where: str = "report_to") -> TrackerSet:
+    """One tracker per name in ``names``, each writing under ``root/<name>``; ``config`` (flat, scalar values)
+    is recorded as the run's parameters."""
+    names = list(dict.fromkeys(names))
+    check_trackers(names, where)
+    opened: dict[str, Tracker] = {}
+    try:
+        for name in names:
+            opened[name] = FACTORIES[name](Path(root) / name, run_name, dict(config or {}))
+    except BaseException:
+        TrackerSet(opened).close()
+        raise
+    return TrackerSet(opened)
