@@ -111,6 +111,11 @@ class Stitched:
         return self.answer_features(self.encode(raw), question, max_new_tokens)
 
     @torch.no_grad()
+    def answer_items(self, raws: list[Any], question: str, max_new_tokens: int = 24) -> str:
+        """One answer over several raw items in one prompt: the encoder runs once per item."""
+        return self.answer_features(torch.cat([self.encode(raw) for raw in raws]), question, max_new_tokens)
+
+    @torch.no_grad()
     def answer_features(self, features: torch.Tensor, question: str, max_new_tokens: int = 24) -> str:
         """Greedy answer from already-encoded features ``[items, tokens, width]`` (e.g. the feature cache)."""
 
