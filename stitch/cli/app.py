@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="stitch: attach a frozen encoder to a base LM through a projector, and post-train it.")
 # Error and table lines stay whole when output is a file or a pipe (CI logs): no hard wrap at 80 columns.
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
+
+
+def wrapping_table(title: str, *columns: str) -> Table:
+    """A table whose cells wrap instead of cutting a name short with an ellipsis, however narrow the terminal."""
+    made = Table(title=title)
+    for column in columns:
+        made.add_column(column, overflow="fold")
+    return made
