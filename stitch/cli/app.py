@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -14,8 +15,23 @@ err_console = Console(stderr=True, soft_wrap=True)
 
 
 def wrapping_table(title: str, *columns: str) -> Table:
-    """A table whose cells wrap instead of cutting a name short with an ellipsis, however narrow the terminal."""
+    """A table whose cells wrap instead of cutting a name short with an ellipsis, however narrow the terminal
+    (print it with ``print_table``)."""
     made = Table(title=title)
     for column in columns:
         made.add_column(column, overflow="fold")
     return made
+
+
+def print_table(table: Table, out: Console = console) -> None:
+    """On a terminal the cells wrap to its width; in a file or a pipe every row stays one whole line."""
+    if out.is_terminal:
+        out.print(table)
+        return
+    natural = Measurement.get(out, out.options.update(width=10_000), table).maximum
+    width = out.width
+    out.width = max(width, natural)  # print(width=...) is capped at the console's width: widen it for this table
+    try:
+        out.print(table)
+    finally:
+        out.width = width

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from stitch.cli.app import app, console, wrapping_table
+from stitch.cli.app import app, console, print_table, wrapping_table
 from stitch.config.recipe import Recipe
 from stitch.host.host import get_host
 from stitch.stages.registry import STAGES
@@ -55,7 +55,7 @@ def _print_summary(stage: str, summary: dict[str, Any]) -> None:
     for key, value in summary.items():
         if key != "completion_table":
             table.add_row(key, json.dumps(value) if isinstance(value, dict | list) else str(value))
-    console.print(table)
+    print_table(table)
     _print_completions(summary.get("completion_table"))
 
 
@@ -69,7 +69,7 @@ def _print_completions(rows: list[dict[str, Any]] | None) -> None:
         capped = " (hit max_new_tokens)" if row["hit_max_new_tokens"] else ""
         table.add_row(row["prompt_id"], json.dumps(row["rewards"]), f"{row['advantage']:+.2f}",
                       f"{row['tokens']}{capped}", repr(row["completion"]))
-    console.print(table)
+    print_table(table)
 
 
 @app.command()
@@ -103,7 +103,7 @@ def run(
             notes = f"loss {info['loss_first']:.3f} -> {info['loss_last']:.3f}"
         acc = info.get("eval_accuracy")
         table.add_row(stage, str(info.get("seconds", "")), "-" if acc is None else f"{acc:.1%}", notes)
-    console.print(table)
+    print_table(table)
     _print_completions(summary["stages"].get("grpo", {}).get("completion_table"))
     evaluation = summary.get("evaluation")
     if evaluation:
@@ -157,7 +157,7 @@ def prepare(
     table.add_row("retained", f"{report.retained_bytes / 2**20:.2f} MiB (budget {loaded.data.budgets.retained_mib})")
     table.add_row("retained per row", f"{report.retained_bytes_per_row:,.0f} B (features {report.payload_bytes_per_row:,.0f} B)")
     table.add_row("seconds", f"{report.seconds:.1f}")
-    console.print(table)
+    print_table(table)
     if report.skipped:
         console.print(f"[yellow]skipped by reason:[/yellow] {describe_skips(report.skipped)}; every row and its "
                       f"reason: {Path(report.out_dir) / REPORT_NAME}", highlight=False)
