@@ -23,14 +23,19 @@ def wrapping_table(title: str, *columns: str) -> Table:
     return made
 
 
+LOG_TABLE_WIDTH = 160  # widest a table grows in a file or a pipe before its longest cells wrap
+
+
 def print_table(table: Table, out: Console = console) -> None:
-    """On a terminal the cells wrap to its width; in a file or a pipe every row stays one whole line."""
+    """On a terminal the cells wrap to its width; in a file or a pipe the table takes the width its cells need,
+    up to ``LOG_TABLE_WIDTH`` (then the longest cells wrap), so names stay whole."""
     if out.is_terminal:
         out.print(table)
         return
     natural = Measurement.get(out, out.options.update(width=10_000), table).maximum
     width = out.width
-    out.width = max(width, natural)  # print(width=...) is capped at the console's width: widen it for this table
+    # print(width=...) is capped at the console's width: widen the console for this table
+    out.width = max(width, min(natural, LOG_TABLE_WIDTH))
     try:
         out.print(table)
     finally:

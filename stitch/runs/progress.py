@@ -23,7 +23,7 @@ class LineProgress:
         self.stream, self.clock = stream or sys.stderr, clock
         self.start = self.last = clock()
         self.postfix: dict[str, Any] = {}
-        self.closed = False
+        self.closed, self.written = False, initial
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -34,7 +34,7 @@ class LineProgress:
         self.postfix = {**(values or {}), **more}
 
     def write(self) -> None:
-        self.last = self.clock()
+        self.last, self.written = self.clock(), self.n
         count = f"{self.n}/{self.total}" if self.total is not None else str(self.n)
         extra = "".join(f" {k}={v}" for k, v in self.postfix.items())
         self.stream.write(f"{self.desc}: {count}{extra} ({self.last - self.start:.0f}s)\n")
@@ -43,7 +43,8 @@ class LineProgress:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.write()
+            if self.n != self.written:  # the last interval's line may already say it
+                self.write()
 
     def __enter__(self) -> LineProgress:
         return self

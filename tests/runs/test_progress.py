@@ -57,3 +57,14 @@ def test_off_a_terminal_the_hugging_face_bars_are_turned_off_unless_the_user_cho
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")
     quiet_library_bars(io.StringIO())
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+
+
+def test_close_adds_no_second_line_when_the_last_interval_already_reported_the_end():
+    now = [0.0]
+    stream = io.StringIO()
+    bar = LineProgress(2, "sft", every_s=30, stream=stream, clock=lambda: now[0])
+    bar.update(1)
+    now[0] = 31.0
+    bar.update(1)
+    bar.close()
+    assert stream.getvalue().splitlines() == ["sft: 2/2 (31s)"]
