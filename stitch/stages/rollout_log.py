@@ -97,7 +97,7 @@ class SignalWatch:
         self.warned = True
         log.warning(
             "grpo step %d: no learning signal: all completions scored alike in every group for %d consecutive "
-            "steps (loss and gradients carry only the KL term); %.0f%% of this step's completions hit "
+            "step(s) (loss and gradients carry only the KL term); %.0f%% of this step's completions hit "
             "max_new_tokens; see %s", step, self.flat_steps, 100 * capped_share, self.log_path)
         return True
 

@@ -248,5 +248,5 @@ def test_stitch_run_trains_the_demo_recipe_end_to_end(tmp_path):
         capture_output=True, text=True, env=plain_env(), timeout=600,
     )
     assert infer.returncode == 0, infer.stderr[-3000:]
-    assert len(infer.stdout.splitlines()) == 1  # one answer line (the checkpoint line goes to stderr)
+    assert "checkpoint:" in infer.stderr and infer.stdout.endswith("\n")  # the answer (a few demo steps: any text)
 
