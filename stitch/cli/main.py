@@ -19,7 +19,9 @@ def main() -> None:
 
     from stitch.host.host import PluginError, RegistryLookupError
     from stitch.runs.lock import RunLockedError
+    from stitch.runs.progress import quiet_library_bars
 
+    quiet_library_bars()  # before transformers loads: a log file gets no \r bars from it either
     try:
         app()
     except (ValueError, FileNotFoundError, FileExistsError, PluginError, RegistryLookupError, RunLockedError) as exc:

@@ -6,9 +6,8 @@ import json
 from typing import Any
 
 import typer
-from rich.table import Table
 
-from stitch.cli.app import app, console
+from stitch.cli.app import app, console, print_table, wrapping_table
 from stitch.host.host import get_host
 from stitch.plugins.hookspecs import HOOKS
 
@@ -33,13 +32,11 @@ def list_plugins(
         failures = [{"name": f.distribution or f.name, "error": f.error} for f in host.failures]
         typer.echo(json.dumps({"plugins": rows, "failed": failures}, indent=2))
         return
-    table = Table(title="stitch plugins")
-    for col in ("name", "version", "hooks", "registered"):
-        table.add_column(col)
+    listing = wrapping_table("stitch plugins", "name", "version", "hooks", "registered")
     for row in rows:
         registered = "\n".join(f"{k}: {', '.join(v)}" for k, v in row["registered"].items())
-        table.add_row(row["name"], row["version"] or "-", "\n".join(row["hooks"]), registered)
-    console.print(table)
+        listing.add_row(row["name"], row["version"] or "-", "\n".join(row["hooks"]), registered)
+    print_table(listing)
     if not rows:
         console.print("No plugins installed. Try: pip install ./plugins/stitch-clip ./plugins/stitch-qwen")
     _print_failures()
@@ -57,12 +54,10 @@ def _registry_view(kind: str, columns: dict[str, Any], as_json: bool,
     if as_json:
         typer.echo(json.dumps(records, indent=2))
         return
-    table = Table(title=f"stitch {kind.replace('_', ' ')}")
-    for col in ("name", "plugin", *columns):
-        table.add_column(col)
+    view = wrapping_table(f"stitch {kind.replace('_', ' ')}", "name", "plugin", *columns)
     for rec in records:
-        table.add_row(*(str(rec[c]) for c in ("name", "plugin", *columns)))
-    console.print(table)
+        view.add_row(*(str(rec[c]) for c in ("name", "plugin", *columns)))
+    print_table(view)
     _print_failures()
 
 

@@ -13,36 +13,47 @@ from stitch.cli.app import app, console, err_console
 _CHECKPOINT_HELP = "A checkpoints root (LATEST is used), a step dir, or a PEFT dir."
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    """Rows ``{image, question}`` or ``{images: [...], messages: [{role, content}, ...]}`` (a whole history ending
-    with the user's turn; each image goes where its ``<image>`` marker stands), every field checked."""
+_MEDIA_KEYS = ("media", "images", "image")  # `images` and `image` are older names of `media`
+
+
+def _row_media(row: dict, where: str, base: Path) -> list[str]:
+    """A row's input files (``media``: one path or a list; ``images``/``image`` the same), made absolute against
+    ``base`` and checked to exist; raises a one-line error naming ``where`` and the field."""
+    given = [key for key in _MEDIA_KEYS if key in row]
+    if len(given) != 1:
+        raise ValueError(f"{where}: expected one of the fields 'media', 'images' or 'image' (an input file path or "
+                         f"a list of them), got {sorted(row)}")
+    key = given[0]
+    value = row[key]
+    paths = value if isinstance(value, list) else [value]
+    if not paths or not all(isinstance(p, str) for p in paths):
+        raise ValueError(f"{where}: field {key!r}: expected a file path or a non-empty list of them, got {value!r}")
+    resolved = [Path(p) if Path(p).is_absolute() else base / p for p in paths]
+    for path in resolved:
+        if not path.is_file():
+            raise ValueError(f"{where}: field {key!r}: {path} does not exist")
+    return [str(p) for p in resolved]
+
+
+def _read_jsonl(path: Path) -> list[tuple[dict, list[str]]]:
+    """The rows of ``--input`` (``{media, question}`` or ``{media, messages: [{role, content}, ...]}``, a whole
+    history ending with the user's turn, each item where its ``<image>`` marker stands), each with its input files,
+    all checked before the model loads."""
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"{path}: line {number}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: line {number}: not JSON ({exc})") from exc
+            raise ValueError(f"{where}: not JSON ({exc})") from exc
         if not isinstance(row, dict):
-            raise ValueError(f"{path}: line {number}: expected a JSON object, got {row!r}")
-        where = f"{path}: line {number}"
-        images = _field(row, "images", "image", where, lambda v: isinstance(v, list) and v and all(
-            isinstance(i, str) for i in v), "a non-empty list of file names")
+            raise ValueError(f"{where}: expected a JSON object {{media, question[, id]}}, got {row!r}")
         _field(row, "messages", "question", where, lambda v: isinstance(v, list) and v and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in v), "a list of {role, content} turns")
-        resolved = []
-        for image in images if isinstance(images, list) else [images]:
-            full = Path(image) if Path(image).is_absolute() else path.parent / image
-            if not full.is_file():
-                raise ValueError(f"{where}: field 'image(s)': {full} does not exist")
-            resolved.append(str(full))
-        if "images" in row:
-            row["images"] = resolved
-        else:
-            row["image"] = resolved[0]
-        rows.append(row)
+        rows.append((row, _row_media(row, where, path.parent)))
     return rows
 
 
@@ -60,40 +71,46 @@ def _field(row: dict, many: str, one: str, where: str, valid: Callable[[object],
 @app.command()
 def infer(
     adapter: Path = typer.Option(..., "--adapter", help=_CHECKPOINT_HELP),
-    image: Path = typer.Option(None, "--image", help="The input file (an image for CLIP)."),
+    media: list[Path] = typer.Option(
+        None, "--media", "--image",
+        help="An input file for the recipe's encoder (an image, a .npy signal, audio...); repeat it for several "
+             "items in one prompt. --image is another name for it."),
     question: str = typer.Option(None, "--question"),
-    input_rows: Path = typer.Option(None, "--input", help="JSONL rows {image, question[, id]} or {images, messages"
-                                                           "[, id]} (a whole history): answer them all."),
+    input_rows: Path = typer.Option(
+        None, "--input", help="JSONL rows {media, question[, id]} or {media, messages[, id]} (a whole history; "
+                              "media: a path or a list; 'image(s)' also read): answer them all."),
     output: Path = typer.Option(None, "--output", help="With --input: JSONL answers (default: stdout)."),
     engine: str = typer.Option("embedded", "--engine", help="A registered rollout engine."),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
 ) -> None:
     """Answer questions about inputs: the model loads once; per input the encoder runs once, then projector and engine."""
-    from tqdm.auto import tqdm
-
     from stitch.host.host import get_host
     from stitch.runs.atomic import write_text_atomic
+    from stitch.runs.progress import progress
     from stitch.serve.inference import Stitched
 
     if input_rows is None:
-        if image is None or question is None:
-            raise typer.BadParameter("give --image and --question, or --input ROWS.jsonl")
-        if not image.is_file():
-            raise typer.BadParameter(f"{image} does not exist", param_hint="--image")
-        rows = [{"image": str(image), "question": question}]
+        if not media or question is None:
+            raise typer.BadParameter("give --media FILE and --question, or --input ROWS.jsonl")
+        for path in media:
+            if not path.is_file():
+                raise typer.BadParameter(f"{path} does not exist", param_hint="--media")
+        rows = [({"question": question}, [str(p) for p in media])]
     else:
-        if image is not None or question is not None:
-            raise typer.BadParameter("--input answers a JSONL of rows; do not also give --image/--question")
+        if media or question is not None:
+            raise typer.BadParameter("--input answers a JSONL of rows; do not also give --media/--question")
         rows = _read_jsonl(input_rows)  # every row checked before the model loads
     server = Stitched(adapter, get_host(), engine=engine)
     err_console.print(f"checkpoint: {server.checkpoint.step_dir}", highlight=False)
     if input_rows is None:
-        typer.echo(server.answer(rows[0]["image"], rows[0]["question"], max_new_tokens=max_new_tokens))
+        typer.echo(server.answer(rows[0][1], question, max_new_tokens=max_new_tokens))
         return
     answers = []
-    for row in tqdm(rows, desc="infer", disable=output is None):
-        media, prompt = row.get("images", row.get("image")), row.get("messages", row.get("question"))
-        answers.append({**row, "answer": server.answer(media, prompt, max_new_tokens=max_new_tokens)})
+    with progress(len(rows), "infer", enabled=output is not None) as bar:
+        for row, files in rows:
+            prompt = row.get("messages", row.get("question"))
+            answers.append({**row, "answer": server.answer(files, prompt, max_new_tokens=max_new_tokens)})
+            bar.update(1)
     text = "".join(json.dumps(a) + "\n" for a in answers)
     if output is None:
         typer.echo(text, nl=False)

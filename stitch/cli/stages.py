@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.table import Table
 
-from stitch.cli.app import app, console
+from stitch.cli.app import app, console, print_table, wrapping_table
 from stitch.config.recipe import Recipe
 from stitch.host.host import get_host
 from stitch.stages.registry import STAGES
@@ -52,12 +51,25 @@ def train(
 
 
 def _print_summary(stage: str, summary: dict[str, Any]) -> None:
-    table = Table(title=f"{stage} summary")
-    table.add_column("field")
-    table.add_column("value")
+    table = wrapping_table(f"{stage} summary", "field", "value")
     for key, value in summary.items():
-        table.add_row(key, json.dumps(value) if isinstance(value, dict | list) else str(value))
-    console.print(table)
+        if key != "completion_table":
+            table.add_row(key, json.dumps(value) if isinstance(value, dict | list) else str(value))
+    print_table(table)
+    _print_completions(summary.get("completion_table"))
+
+
+def _print_completions(rows: list[dict[str, Any]] | None) -> None:
+    """GRPO's last logged completions: what the policy sampled and how each scored (all: completions.jsonl)."""
+    if not rows:
+        return
+    table = wrapping_table(f"grpo completions, step {rows[0]['step']}", "prompt", "rewards", "advantage", "tokens",
+                           "completion")
+    for row in rows:
+        capped = " (hit max_new_tokens)" if row["hit_max_new_tokens"] else ""
+        table.add_row(row["prompt_id"], json.dumps(row["rewards"]), f"{row['advantage']:+.2f}",
+                      f"{row['tokens']}{capped}", repr(row["completion"]))
+    print_table(table)
 
 
 @app.command()
@@ -80,25 +92,26 @@ def run(
     validate_recipe(loaded, get_host())  # every stage's options, before any data or weights are touched
     summary = run_chain(loaded, out, registry=get_host(), stages=DEFAULT_STAGES + (("dpo",) if dpo else ()),
                         resume=not fresh)
-    table = Table(title=f"stitch run {loaded.name} -> {out}")
-    for col in ("stage", "seconds", "eval accuracy", "notes"):
-        table.add_column(col)
+    table = wrapping_table(f"stitch run {loaded.name} -> {out}", "stage", "seconds", "eval accuracy", "notes")
     for stage, info in summary["stages"].items():
         notes = ""
         if stage == "grpo":
             notes = f"reward {info['reward_start']:.2f} -> {info['reward_end']:.2f}"
+            if info.get("flat_reward_steps_max"):
+                notes += f"; all groups scored alike for {info['flat_reward_steps_max']} steps in a row"
         elif "loss_first" in info and info["loss_first"] is not None:
             notes = f"loss {info['loss_first']:.3f} -> {info['loss_last']:.3f}"
         acc = info.get("eval_accuracy")
         table.add_row(stage, str(info.get("seconds", "")), "-" if acc is None else f"{acc:.1%}", notes)
-    console.print(table)
+    print_table(table)
+    _print_completions(summary["stages"].get("grpo", {}).get("completion_table"))
     evaluation = summary.get("evaluation")
     if evaluation:
         control = evaluation.get("zeroed_features_accuracy")
         baseline = evaluation["majority_baseline"]
         console.print(
-            f"{evaluation['stage']} checkpoint on {evaluation['rows']} rows of {evaluation['partition']!r} (task "
-            f"{evaluation['task']}): accuracy {evaluation['accuracy']:.1%}"
+            f"{evaluation['stage']} checkpoint on {evaluation['rows']} rows of {evaluation['partition']!r} (scored "
+            f"by {evaluation.get('scorer', evaluation['task'])}): accuracy {evaluation['accuracy']:.1%}"
             + ("" if control is None else f", zeroed features {control:.1%}")
             + f", majority answer {baseline['answer']!r} {baseline['accuracy']:.1%}", highlight=False)
     inference = summary.get("inference") or {}
@@ -136,9 +149,7 @@ def prepare(
     except (RecipeError, PrepareError, FeatureCacheError, RegistryLookupError) as exc:
         console.print(f"[red]prepare failed:[/red] {exc}", highlight=False)
         raise typer.Exit(1) from exc
-    table = Table(title=f"prepare {loaded.name} -> {out}")
-    table.add_column("field")
-    table.add_column("value")
+    table = wrapping_table(f"prepare {loaded.name} -> {out}", "field", "value")
     table.add_row("rows", ", ".join(f"{k}={v}" for k, v in report.rows.items()))
     table.add_row("scanned / skipped", f"{report.rows_scanned} / {len(report.skipped)}")
     table.add_row("shards encoded / reused", f"{report.shards_encoded} / {report.shards_reused}")
@@ -146,7 +157,7 @@ def prepare(
     table.add_row("retained", f"{report.retained_bytes / 2**20:.2f} MiB (budget {loaded.data.budgets.retained_mib})")
     table.add_row("retained per row", f"{report.retained_bytes_per_row:,.0f} B (features {report.payload_bytes_per_row:,.0f} B)")
     table.add_row("seconds", f"{report.seconds:.1f}")
-    console.print(table)
+    print_table(table)
     if report.skipped:
         console.print(f"[yellow]skipped by reason:[/yellow] {describe_skips(report.skipped)}; every row and its "
                       f"reason: {Path(report.out_dir) / REPORT_NAME}", highlight=False)

@@ -143,6 +143,10 @@ class GRPOOptions(StageOptions):
     engine: Text = Field("embedded", description="a registered rollout engine")
     placement: Literal["colocated", "ray"] = Field("colocated", description="ray: rollout replicas as Ray actors")
     lora: LoraOptions | None = Field(None, description="restates SFT's adapter (r, alpha must match)")
+    log_every: NonNegativeInt = Field(
+        1, description="write the sampled completions of every N-th step to completions.jsonl (0: never)")
+    flat_reward_steps: NonNegativeInt = Field(
+        3, description="warn once after N consecutive steps where every group scored alike (0: never)")
 
     @model_validator(mode="after")
     def _projector_needs_constant_lr(self) -> GRPOOptions:

@@ -68,6 +68,7 @@ from stitch.kernels.prepare_workers import (
 )
 from stitch.plugins.specs import EncoderSpec
 from stitch.runs.atomic import write_text_atomic
+from stitch.runs.progress import progress
 
 __all__ = ["REPORT_NAME", "BudgetExceeded", "InvalidRow", "PrepareError", "PrepareReport", "describe_skips",
            "prepare", "skipped_by_reason"]
@@ -450,9 +451,7 @@ def _json_text(payload: Any) -> str:
 
 @contextmanager
 def _progress(total: int, enabled: bool) -> Iterator[Any]:
-    from tqdm import tqdm
-
-    with tqdm(total=total, desc="prepare", unit="row", disable=not enabled, leave=False) as bar:
+    with progress(total, "prepare", enabled=enabled, unit="row", leave=False) as bar:
         yield bar
 
 

@@ -44,5 +44,9 @@ class RunLayout:
     def metrics(self, stage: str) -> Path:
         return self.stage_dir(stage) / "metrics.jsonl"
 
+    def completions(self, stage: str) -> Path:
+        """``<stage>/completions.jsonl``: GRPO's sampled completions with their rewards, every ``log_every`` steps."""
+        return self.stage_dir(stage) / "completions.jsonl"
+
     def summary(self, stage: str) -> Path:
         return self.stage_dir(stage) / "summary.json"

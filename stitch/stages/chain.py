@@ -30,7 +30,7 @@ from stitch.stages.evaluation import greedy_answers
 from stitch.stages.loop import run_stage
 from stitch.stages.plots import plot_run
 from stitch.stages.registry import STAGES
-from stitch.tasks import check_task, majority_baseline, resolve_task
+from stitch.tasks import check_task, majority_baseline, resolve_task, scorer_name
 
 DEFAULT_STAGES = ("alignment", "sft", "grpo")
 # the checkpoint the chain serves: GRPO's when it ran (it refines SFT), else DPO's, else SFT's
@@ -159,6 +159,7 @@ def evaluate_final(recipe: Recipe, registry: Registry, out_dir: Path, final: str
         graded = answer(rows)
         evaluation = {
             "checkpoint": checkpoint, "stage": final, "partition": partition, "task": task.name,
+            "scorer": scorer_name(recipe, task),
             "rows": len(rows), "accuracy": _mean(r["score"] for r in graded),
             "zeroed_features_accuracy": _mean(r["score"] for r in answer(rows, zero_features=True))
             if zeroed_control else None,

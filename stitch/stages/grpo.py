@@ -24,6 +24,13 @@ from stitch.rollout.ray_rollout import RayRolloutEngine
 from stitch.runs.checkpoint import random_from_json, random_to_json
 from stitch.stages.logprobs import token_logprobs
 from stitch.stages.loop import Stage, StageContext
+from stitch.stages.rollout_log import (
+    CompletionLog,
+    CompletionRecord,
+    SignalWatch,
+    flat_groups,
+    hit_length_cap,
+)
 from stitch.tasks import resolve_task
 
 
@@ -139,6 +146,9 @@ class GRPOStage(Stage):
         self.anchor = {n: p.detach().clone() for n, p in model.projector.named_parameters()}
         self.timings = {"rollout": 0.0, "logprobs": 0.0, "train": 0.0, "refit": 0.0}
         self.eval_accuracy_start: float | None = None
+        path = ctx.layout.completions(ctx.name)
+        self.completion_log = CompletionLog(path, opts.log_every if ctx.dp.is_main else 0)
+        self.watch = SignalWatch(opts.flat_reward_steps, path)
 
     def start(self, ctx: StageContext) -> None:
         # built after a resume has restored the adapter: engines holding their own weights start from the live policy
@@ -156,6 +166,10 @@ class GRPOStage(Stage):
             self.engine = binding.registry.get("rollout_engines", opts.engine).factory(lm, **common)
         if opts.eval_partition and ctx.step == 0:
             self.eval_accuracy_start = ctx.evaluate()
+        if ctx.dp.is_main and ctx.step == 0:  # a fresh run starts a fresh file
+            self.completion_log.reset()
+        elif ctx.dp.is_main:  # a resumed one drops the rows past its checkpoint
+            self.completion_log.truncate_after(ctx.step)
 
     def step(self, ctx: StageContext) -> dict[str, Any]:
         opts, session, model = self.opts, ctx.session, ctx.model
@@ -176,6 +190,7 @@ class GRPOStage(Stage):
         rewards = torch.tensor([self.task.reward(text, drawn[c.prompt_index].task_row())
                                 for text, c in zip(texts, completions, strict=True)], dtype=torch.float32)
         adv = group_advantages(rewards, opts.group_size).to(session.device)
+        capped_share = self.observe_rollouts(ctx, drawn, completions, texts, rewards.tolist(), adv.tolist())
         samples = []
         for c in completions:
             row_id, ids, features = prompts[c.prompt_index]
@@ -201,7 +216,7 @@ class GRPOStage(Stage):
         self.timings["refit"] += refit_s
         record = {"reward": float(rewards.mean()), "loss": loss_value,
                   "kl": float((kl * mask).sum() / mask.sum().clamp(min=1)), "parity_max_abs_logprob": parity,
-                  "completion_tokens": int(mask.sum()), "rollout_tokens": sum(len(c.token_ids) for c in completions),
+                  "completion_tokens": int(mask.sum()), "capped_share": capped_share, "rollout_tokens": sum(len(c.token_ids) for c in completions),
                   "rollout_s": rollout_s, "logprob_s": logprob_s, "update_s": update_s, "refit_s": refit_s}
         if drift is not None:
             record["projector_drift"] = drift
@@ -209,12 +224,30 @@ class GRPOStage(Stage):
             record["refit_bytes"] = self.engine.refit_bytes
         return record
 
+    def observe_rollouts(self, ctx: StageContext, drawn: list[Any], completions: Sequence[Any], texts: list[str],
+                         rewards: list[float], adv: list[float]) -> float:
+        """Feed the no-signal watch, and on a ``log_every`` step write each completion to completions.jsonl;
+        returns the share of completions cut by ``max_new_tokens``."""
+        opts, step = self.opts, ctx.step + 1
+        eos = ctx.session.tokenizer.eos_token_id
+        capped = [hit_length_cap(c.token_ids, opts.max_new_tokens, eos) for c in completions]
+        share = sum(capped) / len(capped)
+        self.watch.observe(step, flat_groups(rewards, opts.group_size), share)
+        if self.completion_log.due(step):
+            self.completion_log.write([
+                CompletionRecord(step, drawn[c.prompt_index].id, c.prompt_index, text, len(c.token_ids),
+                                 {self.task.name: r}, a, cap)
+                for c, text, r, a, cap in zip(completions, texts, rewards, adv, capped, strict=True)])
+        return share
+
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": random_to_json(self.rng), "eval_accuracy_start": self.eval_accuracy_start}
+        return {"rng": random_to_json(self.rng), "eval_accuracy_start": self.eval_accuracy_start,
+                "signal": self.watch.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         random_from_json(self.rng, state["rng"])
         self.eval_accuracy_start = state["eval_accuracy_start"]
+        self.watch.load_state_dict(state.get("signal", {}))
 
     def summary(self, ctx: StageContext, history: list[dict[str, Any]]) -> dict[str, Any]:
         k = max(1, len(history) // 4)
@@ -226,6 +259,9 @@ class GRPOStage(Stage):
             "reward_end": sum(r["reward"] for r in history[-k:]) / k if history else None,
             "seconds_by_part": {part: round(v, 2) for part, v in self.timings.items()},
             "parity_max_abs_logprob": max((r["parity_max_abs_logprob"] for r in history), default=None),
+            "flat_reward_steps_max": self.watch.longest,
+            "completions": str(self.completion_log.path) if self.completion_log.every else None,
+            "completion_table": self.completion_log.last_step_table(),
         }
         if self.eval_accuracy_start is not None:
             out["eval_accuracy_start"] = self.eval_accuracy_start

@@ -38,6 +38,7 @@ from stitch.runs.environment import environment
 from stitch.runs.layout import RunLayout
 from stitch.runs.lock import RunLock
 from stitch.runs.metrics import MetricsLog, peak_memory_bytes
+from stitch.runs.progress import progress
 from stitch.runs.trackers import TrackerSet, check_trackers, open_trackers
 from stitch.stages.distributed import DataParallel, launch_rank, launch_world_size
 from stitch.stages.evaluation import evaluate_accuracy
@@ -336,16 +337,13 @@ def load_checkpoint(ctx: StageContext) -> None:
 def train(ctx: StageContext, max_steps: int | None = None) -> None:
     """Steps until ``opts.steps`` (or ``max_steps``): one metrics line per step, evaluation every ``eval_every``,
     a checkpoint every ``save_every`` and at the last step."""
-    from tqdm.auto import tqdm
-
     opts = ctx.opts
     ctx.runner.start(ctx)
     total = opts.steps if max_steps is None else min(opts.steps, max_steps)
     metrics = ctx.metrics
     ctx.model.train()
     ctx.t_start = time.perf_counter()
-    bar = tqdm(total=total, initial=ctx.step, desc=ctx.name, disable=not (ctx.progress and ctx.dp.is_main),
-               dynamic_ncols=True)
+    bar = progress(total, ctx.name, enabled=ctx.progress and ctx.dp.is_main, initial=ctx.step, dynamic_ncols=True)
     while ctx.step < total:
         lrs = ctx.scheduler.get_last_lr()  # the rates this step trains with
         record = ctx.runner.step(ctx)

@@ -60,6 +60,14 @@ def resolve_task(recipe: Recipe, registry: Registry) -> TaskSpec:
                     + "; DPO pairs from the dataset's rejected column")
 
 
+def scorer_name(recipe: Recipe, task: TaskSpec) -> str:
+    """What evaluation's scores come from, in words: the grader when there is one, else the reward."""
+    name, reward, grade = _task_fields(recipe)
+    if reward is None:
+        return f"the {'grader' if task.grade is not None else 'reward'} of task {task.name!r}"
+    return f"grader {grade}" if grade else f"reward {reward} (no grader given)"
+
+
 def check_task(recipe: Recipe, registry: Registry) -> TaskSpec:
     """``resolve_task`` at load time, plus the contracts the recipe's stages need from the task: DPO needs
     pairs, either from the task's generator or from the dataset's ``rejected`` column."""

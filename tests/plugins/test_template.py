@@ -250,3 +250,63 @@ def test_template_is_found_as_wheel_package_data_first_then_in_the_checkout(tmp_
     with pytest.raises(FileNotFoundError, match="looked in") as err:
         find_template([missing])
     assert str(missing) in str(err.value)
+
+
+def _readme_check(project: Path, site: Path) -> subprocess.CompletedProcess:
+    """The rendered project's own README test, importing the project's (possibly edited) source first."""
+    env = env_with(site)
+    env["PYTHONPATH"] = os.pathsep.join([str(project / "src"), env["PYTHONPATH"]])
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_readme.py"],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_scaffolded_readme_test_names_each_stale_line_after_the_encoder_changes_and_passes_once_fixed(
+        installed, tmp_path):
+    """The author renames the encoder, changes its width and rewrites the demo data with fewer rows: the rendered
+    README's test fails naming each stale README line; updating those lines makes it pass."""
+    import shutil
+
+    rendered, site = installed
+    project = Path(shutil.copytree(rendered, tmp_path / "edited"))
+    package = project / "src" / PACKAGE
+    encoder = package / "encoder.py"
+    text = encoder.read_text()
+    assert f'ENCODER_NAME = "{MODALITY}-encoder"\n' in text and f"FEATURE_WIDTH = {WIDTH}\n" in text
+    encoder.write_text(text.replace(f'ENCODER_NAME = "{MODALITY}-encoder"', f'ENCODER_NAME = "{MODALITY}-wave"')
+                       .replace(f"FEATURE_WIDTH = {WIDTH}\n", "FEATURE_WIDTH = 24\n"))
+    subprocess.run([sys.executable, str(package / "demo_data.py"), "--rows", "30", "--out",
+                    str(package / "recipes" / "data")], check=True, capture_output=True, timeout=120)
+
+    stale = _readme_check(project, site)
+    assert stale.returncode == 1, stale.stdout[-3000:]
+    readme = (project / "README.md").read_text().splitlines()
+
+    def line_of(fragment: str) -> int:
+        return next(n for n, line in enumerate(readme, start=1) if fragment in line)
+
+    expected = [
+        f"README.md line {line_of('| encoder |')}: 'encoder' reads '{MODALITY}-encoder'; the plugin has "
+        f"'{MODALITY}-wave'",
+        f"README.md line {line_of('| feature width |')}: 'feature width' reads '{WIDTH}'; the plugin has '24'",
+        f"README.md line {line_of('| demo rows |')}: 'demo rows' reads '48'; the plugin has '30'",
+        f"README.md line {line_of('encoder: ' + MODALITY)}: the recipe example names encoder '{MODALITY}-encoder'",
+    ]
+    for message in expected:
+        assert message in stale.stdout, f"{message!r} not in:\n{stale.stdout[-3000:]}"
+    assert "tokens per item" not in stale.stdout  # an unchanged fact is not reported
+
+    fixed = "\n".join(readme).replace(f"`{MODALITY}-encoder`", f"`{MODALITY}-wave`") \
+        .replace(f"| feature width | `{WIDTH}` |", "| feature width | `24` |") \
+        .replace("| demo rows | `48` |", "| demo rows | `30` |") \
+        .replace(f"encoder: {MODALITY}-encoder", f"encoder: {MODALITY}-wave")
+    (project / "README.md").write_text(fixed + "\n")
+    passed = _readme_check(project, site)
+    assert passed.returncode == 0, passed.stdout[-3000:]
+    assert "2 passed" in passed.stdout
+
+
+def test_rendered_encoder_declares_a_placeholder_content_part_for_serving(plugin_host, installed):
+    project, _ = installed
+    spec = plugin_host.get("encoders", f"{MODALITY}-encoder")
+    assert spec.content_parts == ("input_audio",)
+    assert "CONTENT_PARTS = (\"input_audio\",)" in (project / "src" / PACKAGE / "encoder.py").read_text()

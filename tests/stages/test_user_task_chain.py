@@ -119,6 +119,7 @@ def test_stitch_run_grades_the_final_checkpoint_with_the_task_against_the_majori
     evaluation = summary["evaluation"]
     # --dpo ran DPO after GRPO: the chain grades the last stage it ran
     assert evaluation["task"] == "exact-match" and evaluation["stage"] == "dpo" == summary["final_stage"]
+    assert "(scored by the reward of task 'exact-match'): accuracy" in stdout  # exact-match has no grader
     assert evaluation["partition"] == "eval" and evaluation["rows"] == 8
     assert 0.0 <= evaluation["accuracy"] <= 1.0 and 0.0 <= evaluation["zeroed_features_accuracy"] <= 1.0
     baseline = evaluation["majority_baseline"]

@@ -19,7 +19,7 @@ from stitch.host.host import get_host
 from stitch.host.validate import validate_recipe
 from stitch.plugins.specs import TaskRow
 from stitch.stages.loop import run_stage
-from stitch.tasks import check_task, majority_baseline, resolve_task
+from stitch.tasks import check_task, majority_baseline, resolve_task, scorer_name
 from stitch.tasks.generic import contains_answer, exact_match, normalise_answer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -248,3 +248,15 @@ def test_evaluation_grades_with_the_task_grader_on_the_rows_the_task_accepts(sft
     counting = StitchSession.open(load_recipe(write_recipe(tmp_path / "c.yaml")), sft_run, registry=get_host())
     with pytest.raises(ValueError, match="no rows that task 'counting' can grade"):
         evaluate_accuracy(counting, model, "alignment", limit=5)
+
+
+def test_scorer_name_says_whether_evaluation_scores_come_from_a_grader_or_the_reward(tmp_path, host):
+    def named(task) -> str:
+        recipe = load_recipe(write_recipe(tmp_path / "r.yaml", task=task, stages=no_dpo()))
+        return scorer_name(recipe, resolve_task(recipe, host))
+
+    assert named("counting") == "the reward of task 'counting'"
+    assert named({"reward": "stitch.tasks.generic:contains_answer"}) == (
+        "reward stitch.tasks.generic:contains_answer (no grader given)")
+    assert named({"reward": "stitch.tasks.generic:contains_answer", "grade": "stitch.tasks.generic:exact_match"}) == (
+        "grader stitch.tasks.generic:exact_match")

@@ -239,3 +239,14 @@ def test_stitch_run_trains_the_demo_recipe_end_to_end(tmp_path):
         assert (out / stage / "checkpoints" / "LATEST").is_file(), stage
     assert isinstance(summary["inference"]["answer"], str)
 
+    # the trained model answers about a new item of this modality: `stitch infer --media FILE`
+    item = tmp_path / "item.npy"
+    np.save(item, np.asarray(signal(120, 11), dtype=np.float32))
+    infer = subprocess.run(
+        [*stitch_command(), "infer", "--adapter", str(out / "grpo" / "checkpoints"), "--media", str(item),
+         "--question", "How many cycles does this signal go through?"],
+        capture_output=True, text=True, env=plain_env(), timeout=600,
+    )
+    assert infer.returncode == 0, infer.stderr[-3000:]
+    assert "checkpoint:" in infer.stderr and infer.stdout.endswith("\n")  # the answer (a few demo steps: any text)
+

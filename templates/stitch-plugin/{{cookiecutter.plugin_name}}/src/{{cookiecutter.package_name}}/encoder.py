@@ -27,6 +27,12 @@ ENCODER_NAME = "{{ cookiecutter.__encoder_name }}"
 TOKENS_PER_ITEM = {{ cookiecutter.tokens_per_item }}
 FEATURE_WIDTH = {{ cookiecutter.feature_width }}
 
+# >>> 4. The OpenAI chat content-part type(s) whose value `stitch serve` hands to decode_item:
+# "input_audio", "image_url", "video_url", or a type of your own (e.g. "input_{{ cookiecutter.modality }}").
+# A placeholder: change it to what your clients send. An empty tuple means the encoder cannot be served
+# (`stitch infer --media` still works).
+CONTENT_PARTS = ("input_audio",)
+
 # Reference encoder geometry: a signal is resampled to TOKENS_PER_ITEM patches of PATCH_SIZE samples.
 PATCH_SIZE = 16
 REFERENCE_SEED = 0
@@ -245,6 +251,7 @@ ENCODER = EncoderSpec(
     load=load_encoder,
     decode_item=decode_item,
     payload=MODALITY,  # the rollout payload registered in __init__.py carries these features to engines
+    content_parts=CONTENT_PARTS,
     description=f"reference {MODALITY} encoder (fixed-seed random weights, built locally): "
     f"{TOKENS_PER_ITEM} tokens x {FEATURE_WIDTH} per item",
 )
