@@ -34,7 +34,8 @@ def schema(
 ) -> None:
     """Print the JSON schema of a recipe file (or the option reference as a markdown table)."""
     from stitch.config.describe import reference_markdown
-    from stitch.config.recipe import RecipeFile, recipe_json_schema
+    from stitch.config.recipe import recipe_json_schema
+    from stitch.config.schema import RecipeFile
 
     text = reference_markdown(RecipeFile) if markdown else json.dumps(recipe_json_schema(), indent=2) + "\n"
     typer.echo(text, nl=False)

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from stitch.config.recipe import BuiltinSource, Recipe
+from stitch.config.data import BuiltinSource
+from stitch.config.recipe import Recipe
 from stitch.data.feature_cache import (
     CACHE_DIRNAME,
     MANIFEST_NAME,

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from stitch.config.recipe import BuiltinSource, DataSource, HubSource, LocalSource, Recipe
+from stitch.config.data import BuiltinSource, DataSource, HubSource, LocalSource
+from stitch.config.recipe import Recipe
 from stitch.data.collator import tokenize_example
 from stitch.data.feature_cache import (
     SHARD_FORMAT,

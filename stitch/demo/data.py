@@ -17,7 +17,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from stitch.config.recipe import BuiltinSource
+from stitch.config.data import BuiltinSource
 from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, MAX_OBJECTS, SHAPES, SIZES, answer_text
 from stitch.plugins.snapshot_cache import ensure_snapshot
 

@@ -1,12 +1,16 @@
 """The package's floors point down: the ground floor (stitch.plugins) and the kernels import nothing above them, and
-the plugin host is resolved only by the CLI (walked with ``ast``, imports inside functions included)."""
+the plugin host is resolved only by the CLI (walked with ``ast``, imports inside functions included). Modules stay
+short."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "stitch"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "stitch"
+SOURCES = [REPO / name for name in ("stitch", "stitch_clip", "stitch_qwen", "stitch_nemotron")]
+MAX_MODULE_LINES = 600
 
 
 def stitch_imports(path: Path) -> list[str]:
@@ -56,3 +60,15 @@ def test_the_host_is_imported_only_by_the_cli_and_the_plugin_api():
     users = {str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
              if not p.is_relative_to(PACKAGE / "host") and any(m.startswith("stitch.host") for m in stitch_imports(p))}
     assert {u for u in users if not u.startswith("cli/")} <= {"api.py"}, users
+
+
+def source_files() -> list[Path]:
+    files = sorted(p for root in SOURCES for p in root.rglob("*.py"))
+    assert len(files) > 50, SOURCES
+    return files
+
+
+def test_no_module_of_the_core_or_its_plugins_is_over_600_lines():
+    long = {str(p.relative_to(REPO)): n for p in source_files()
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"modules over {MAX_MODULE_LINES} lines: {long}"
