@@ -3,8 +3,8 @@
 Why: ViT-B/32 attends 50 tokens in 12 heads of 64. On a Hopper GPU torch's sdpa (cuDNN's kernel, its pick) takes
 3-4x the time the layers' query, key, value and output rows need in HBM traffic: kernels tiled for long sequences
 spend most of their time on padding and set-up. CUTLASS's memory-efficient kernel is faster but gives an image other
-bits in another batch size; this
-kernel computes each image alone, so prepare's batches and serving's single images get the same features.
+bits in another batch size; this kernel computes each image alone, so prepare's batches and serving's single images
+get the same features.
 
 Where the kernel cannot run (a CPU, fp32, a mask, dropout, rows longer than ``MAX_TOKENS``, a head width Triton's
 dot does not take, no Triton) the call is transformers' own sdpa, unchanged.
@@ -22,7 +22,7 @@ import torch
 NAME = "stitch_vit"
 MAX_TOKENS = 128  # one program holds a head's [tokens x tokens] scores in registers
 # heads per program and warps per program: fixed (not autotuned) so every run of every batch size launches the same
-# kernel; benchmarks/vit_attention.py times the alternatives
+# kernel
 LAUNCH = {"heads": 1, "num_warps": 4}
 # looked up once at import, not in ``kernel_usable``: a compiled tower traces that function, and dynamo warns about
 # (and traces through) a cached function

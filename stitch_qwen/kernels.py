@@ -287,8 +287,8 @@ def fused_module_counts(model: Any) -> dict[str, int]:
 
 
 def restore_reference_kernels(model: Any, kinds: tuple[type, ...] = FUSED_MIXINS) -> None:
-    """Undo ``use_fused_kernels`` (the benchmark's stock mode): transformers' own modules and RoPE; ``kinds`` limits
-    it to some of the switched module kinds (RoPE is restored with the norms)."""
+    """Undo ``use_fused_kernels`` (the stock model, a comparison's reference): transformers' own modules and RoPE;
+    ``kinds`` limits it to some of the switched module kinds (RoPE is restored with the norms)."""
     drop_graphs(model)
     for module in model.modules():
         if isinstance(module, kinds):

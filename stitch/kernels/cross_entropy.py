@@ -83,7 +83,7 @@ def liger_chunk_budget(tokens: int, hidden: int, vocab: int, rows: int | None = 
     return max(1, -(-vocab * min(rows, tokens) // (hidden * max(tokens, 1))))
 
 
-# liger's chunk rows (``liger_chunk_budget``); None keeps liger's own default budget (the benchmark's baseline)
+# liger's chunk rows (``liger_chunk_budget``); None keeps liger's own default budget
 LIGER_CHUNK_TOKENS: int | None = CHUNK_TOKENS
 
 

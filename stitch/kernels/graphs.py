@@ -26,7 +26,7 @@ block's inputs and parameters) are copied out as soon as the graph has replayed,
 capture and every backward graph reuses the same memory. That is safe in any order of capture and replay: a
 backward graph's gradient-in buffer is filled just before it replays, and its outputs are read just after, before
 anything else runs on the device. ``STITCH_CUDA_GRAPHS=0`` turns the whole mechanism off; ``keep_eager(model)``
-turns it off for one model (a model plugin's ``ModelSpec.cuda_graphs=False``: Nemotron-H, whose packed 4B step ran
+turns it off for one model (a model plugin's ``ModelSpec.cuda_graphs=False``: Nemotron-H, whose packed 4B step is
 ~5 % slower with its blocks graphed).
 """
 
