@@ -51,10 +51,10 @@ def _kernel() -> tuple[Any, Any]:
     """quack's epilogue GEMM for ``quick_gelu(x @ w.T + b)`` and its pinned config, built at the first call."""
     with _BUILDING:
         if not _BUILT:
-            from quack.activation import quick_gelu
-            from quack.epilogue.frontend import gemm_epilogue
-            from quack.epilogue.ops import RowVecLoad
-            from quack.gemm_config import GemmConfig
+            from quack.activation import quick_gelu  # optional: quack ([hopper] extra)
+            from quack.epilogue.frontend import gemm_epilogue  # optional: quack ([hopper] extra)
+            from quack.epilogue.ops import RowVecLoad  # optional: quack ([hopper] extra)
+            from quack.gemm_config import GemmConfig  # optional: quack ([hopper] extra)
 
             # the bias pinned as a row vector: quack infers it from the shapes, ambiguous where rows == width
             @gemm_epilogue(ops={"bias": RowVecLoad("bias")})

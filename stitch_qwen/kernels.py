@@ -112,7 +112,11 @@ FUSED_ROPE_MODULES = ("transformers.models.qwen3.modeling_qwen3",)
 def liger_functions() -> dict[str, Any] | None:
     """liger-kernel's functional RMSNorm, SiLU-mul and RoPE, or None where liger-kernel does not import."""
     try:
-        from liger_kernel.transformers.functional import liger_rms_norm, liger_rope, liger_swiglu
+        from liger_kernel.transformers.functional import (  # optional: liger-kernel ([kernels] extra)
+            liger_rms_norm,
+            liger_rope,
+            liger_swiglu,
+        )
     except Exception:  # not installed, or its Triton does not import on this machine
         return None
     return {"rms_norm": liger_rms_norm, "swiglu": liger_swiglu, "rope": liger_rope}
@@ -212,8 +216,8 @@ def fla_gdn_functions() -> dict[str, Any] | None:
     if fla_kernels_importable() is not None:
         return None
     try:
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated  # optional: fla ([kernels] extra)
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional: fla ([kernels] extra)
     except Exception:  # an fla without them: transformers' layer stays
         return None
     return {"rule": chunk_gated_delta_rule, "norm": rms_norm_gated, "conv": fla_conv}

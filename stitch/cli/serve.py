@@ -8,6 +8,8 @@ from pathlib import Path
 import typer
 
 from stitch.cli.app import app, console, err_console
+from stitch.host.host import get_host
+from stitch.runs.atomic import write_text_atomic
 
 _CHECKPOINT_HELP = "A checkpoints root (LATEST is used), a step dir, or a PEFT dir."
 
@@ -44,11 +46,9 @@ def infer(
     max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
 ) -> None:
     """Answer questions about inputs: the model loads once; per input the encoder runs once, then projector and engine."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # deferred: stitch --help skips tqdm.auto (0.2 s: asyncio)
 
-    from stitch.host.host import get_host
-    from stitch.runs.atomic import write_text_atomic
-    from stitch.serve.inference import Stitched
+    from stitch.serve.inference import Stitched  # deferred: stitch --help skips torch
 
     if input_rows is None:
         if image is None or question is None:
@@ -82,8 +82,7 @@ def export(
     out: Path = typer.Option(..., "--out", help="Export directory: model/ (merged, save_pretrained), projector/."),
 ) -> None:
     """Merge the adapter into the base LM and save it with save_pretrained, beside the projector artifact."""
-    from stitch.host.host import get_host
-    from stitch.serve.export import export_checkpoint
+    from stitch.serve.export import export_checkpoint  # deferred: stitch --help skips torch
 
     manifest = export_checkpoint(_checkpoint_of(checkpoint), out, get_host())
     console.print(f"exported {manifest['base_model']} ({manifest['architecture']}) from {manifest['checkpoint']} "
@@ -100,8 +99,7 @@ def serve(
     max_image_pixels: int = typer.Option(40_000_000, "--max-image-pixels", help="Refuse larger images (400)."),
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible API: GET /v1/models, POST /v1/chat/completions."""
-    from stitch.host.host import get_host
-    from stitch.serve.server import serve as run_server
+    from stitch.serve.server import serve as run_server  # deferred: stitch --help skips torch
 
     def ready(server) -> None:
         address = f"http://{server.server_address[0]}:{server.server_address[1]}/v1"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from stitch.config.data import BuiltinSource
 from stitch.config.recipe import Recipe
@@ -69,6 +70,7 @@ from stitch.kernels.prepare_workers import (
 )
 from stitch.plugins.specs import EncoderSpec
 from stitch.runs.atomic import write_text_atomic
+from stitch.runs.lock import RunLock
 
 __all__ = ["REPORT_NAME", "BudgetExceeded", "InvalidRow", "PrepareError", "PrepareReport", "describe_skips",
            "prepare", "skipped_by_reason"]
@@ -451,8 +453,6 @@ def _json_text(payload: Any) -> str:
 
 @contextmanager
 def _progress(total: int, enabled: bool) -> Iterator[Any]:
-    from tqdm import tqdm
-
     with tqdm(total=total, desc="prepare", unit="row", disable=not enabled, leave=False) as bar:
         yield bar
 
@@ -477,8 +477,6 @@ def prepare(
     is loaded on first need). Shards already in the cache are reused; once the new manifest is in place, shards it
     does not reference are deleted. One preparation per ``out_dir`` at a time: a second is refused (``RunLock``).
     """
-    from stitch.runs.lock import RunLock
-
     clock = PhaseClock()
     with clock("tokenizer_load"):
         prompts = PromptCheck(recipe, tokenizer, sentinel_ids, encoder_spec.tokens_per_item)

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as base
 
 log = logging.getLogger("stitch")
 
@@ -239,8 +240,6 @@ class Layout:
     def signature(self, xs: tuple[torch.Tensor, ...]) -> tuple | None:
         """What a captured graph on inputs ``xs`` depends on; None when this call cannot use one (module hooks, a
         LoRA layer whose active adapter is not plain, nothing that needs a gradient)."""
-        from torch.nn.modules import module as base
-
         if not self.capturable or base._global_forward_hooks or base._global_forward_pre_hooks \
                 or base._global_backward_hooks:
             return None

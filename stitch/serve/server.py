@@ -21,6 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from PIL import Image, UnidentifiedImageError
+
 from stitch.plugins.registry import Registry
 from stitch.serve.inference import Stitched
 
@@ -57,7 +59,6 @@ def decode_data_url(url: Any, max_pixels: int = MAX_IMAGE_PIXELS) -> bytes:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise RequestError(HTTPStatus.BAD_REQUEST, f"{field}: invalid base64 ({exc})", param=field) from exc
-    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(raw)) as image:  # reads the header only: size before any decode

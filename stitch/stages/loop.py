@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from tqdm.auto import tqdm
 
 from stitch.config.options import STAGE_OPTIONS, StageOptions
 from stitch.config.recipe import Recipe, RecipeError
@@ -321,8 +322,6 @@ def load_checkpoint(ctx: StageContext) -> None:
 def train(ctx: StageContext, max_steps: int | None = None) -> None:
     """Steps until ``opts.steps`` (or ``max_steps``): one metrics line per step, evaluation every ``eval_every``,
     a checkpoint every ``save_every`` and at the last step."""
-    from tqdm.auto import tqdm
-
     opts = ctx.opts
     ctx.runner.start(ctx)
     total = opts.steps if max_steps is None else min(opts.steps, max_steps)
