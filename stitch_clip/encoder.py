@@ -307,7 +307,8 @@ def load_clip(source: ModelSource, device: str | torch.device = "cpu", dtype: to
 
     kwargs = source.pretrained_kwargs()
     # stitch_vit: a Triton kernel for the tower's 50-token rows on a GPU in half precision, transformers' sdpa
-    # elsewhere; both give eager attention's features (tests/test_prepare_fast.py, tests/test_vit_attention.py)
+    # elsewhere; both give eager attention's features (tests/data/test_prepare_fast.py,
+    # tests/first_party/test_vit_attention.py)
     model = CLIPVisionModel.from_pretrained(**kwargs, use_safetensors=True, attn_implementation=register())
     processor = CLIPImageProcessor.from_pretrained(**kwargs)
     return ClipImageEncoder(model, processor, torch.device(device), dtype, feature_width)
