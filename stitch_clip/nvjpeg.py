@@ -4,13 +4,13 @@ by nvjpeg and resized + centre-cropped there in batched GEMMs; the reference is 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import io
 import math
 import os
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -128,7 +128,7 @@ class ClipDeviceGeometry:
         # nvjpeg comes with torchvision's build: another build may decode other pixels
         # /2: the resize weights in closed form, float64 rounded to float32 (/1: torch's float32 resize of an
         # identity matrix); pixels can differ from /1's by a level where a product sits at a rounding tie
-        self.identity = f"clip-nvjpeg/2 torchvision {decoder_version or version('torchvision')}"
+        self.identity = f"clip-nvjpeg/2 torchvision {decoder_version or importlib.metadata.version('torchvision')}"
         self._checked = False  # check_decoder has decoded on the device
         self._decoding: ThreadPoolExecutor | None = None  # device_batch's decode thread, made at its first call
 
