@@ -17,8 +17,8 @@ from stitch.data.prepare import REPORT_NAME
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
-from test_bad_data import hostile, hostile_recipe  # noqa: E402,F401  (hostile: the fixture, used by name)
-from test_prepare import dir_snapshot, write_recipe  # noqa: E402
+from tests.data.test_bad_data import hostile, hostile_recipe  # noqa: E402,F401  (hostile: the fixture, used by name)
+from tests.data.test_prepare import dir_snapshot, write_recipe  # noqa: E402
 
 from stitch_clip.encoder import ClipGeometry, clip_geometry, decode_image  # noqa: E402
 

@@ -19,8 +19,8 @@ from stitch.kernels.prepare_workers import ENCODE_PHASES, PhaseClock, ShardEncod
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
-from test_bad_data import TOKEN_BUDGET, hostile, hostile_recipe  # noqa: E402,F401  (hostile: the fixture)
-from test_prepare import ENCODER, write_recipe  # noqa: E402
+from tests.data.test_bad_data import TOKEN_BUDGET, hostile, hostile_recipe  # noqa: E402,F401  (hostile: the fixture)
+from tests.data.test_prepare import ENCODER, write_recipe  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +312,7 @@ def test_the_next_shard_is_gathered_while_the_encode_thread_encodes_one(tmp_path
     would give up waiting at the timeout. The output is the same bytes as a run whose encoder never waits."""
     import threading
 
-    from test_prepare import dir_snapshot
+    from tests.data.test_prepare import dir_snapshot
 
     from stitch.data import prepare as prep
 

@@ -148,7 +148,7 @@ def test_on_a_gpu_one_node_matches_four_at_the_4b_gated_deltanet_shape():
 def test_the_shared_node_backward_scales_inside_its_gemms_and_launches_no_separate_multiply():
     """As ``LoRAProduct``'s: every adapter's scaling is the alpha of a GEMM in the backward, never a multiply of its
     own (a kernel launch each on a GPU)."""
-    from test_perf_lora_product import backward_ops
+    from tests.kernels.test_perf_lora_product import backward_ops
 
     x = torch.randn(2, 3, 16, dtype=torch.bfloat16, requires_grad=True)
     layout = ((1.7, False), (0.5, True), (2.0, True))

@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 from tests.stitch_testing import DeviceReads
-from test_decode_static import PAD, SUPPRESS, prompts
+from tests.rollout.test_decode_static import PAD, SUPPRESS, prompts
 
 from stitch.rollout import decode
 from stitch.rollout.engines import EmbeddedEngine

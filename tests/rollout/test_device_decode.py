@@ -20,8 +20,8 @@ from stitch.data.prepare import preprocess_for
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
-from test_prepare import dir_snapshot  # noqa: E402
-from test_prepare_fast import photo_bytes  # noqa: E402
+from tests.data.test_prepare import dir_snapshot  # noqa: E402
+from tests.data.test_prepare_fast import photo_bytes  # noqa: E402
 
 import stitch_clip.encoder as clip_encoder  # noqa: E402
 import stitch_clip.nvjpeg as nvjpeg  # noqa: E402

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_fast_paths import build, samples
+from tests.kernels.test_fast_paths import build, samples
 
 from stitch.data.packing import collate_packs
 from stitch.kernels import cross_entropy
