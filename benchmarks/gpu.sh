@@ -2,11 +2,14 @@
 # One GPU call: install the carried .whl/ and .whl-data/ (benchmarks/pack_wheels.sh) into /tmp/site, register the checkout's
 # plugins there (their dist-info, generated from pyproject.toml, so the plugin host finds them as installed wheels),
 # then run benchmarks/bench.py for each SUITE into $OUT (default /tmp/out) and copy RESULTS.md beside the JSONs.
-#   bash benchmarks/gpu.sh sft grpo              # device call with carry [".whl"]; extra bench.py options after --:
-#   bash benchmarks/gpu.sh prepare -- --images 16384
+#   STITCH_BENCH_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu.sh sft grpo   # device call, carry [".whl"]
+#   STITCH_BENCH_COMMIT=... bash benchmarks/gpu.sh prepare -- --images 16384          # bench.py options after --
+# The device copy's git metadata is stale, so the JSONs take their commit from STITCH_BENCH_COMMIT (passed through).
 # Setup is idempotent: a warm machine skips the installs. Each suite gets SUITE_TIMEOUT seconds (default 570).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} SITE=${SITE:-/tmp/site}
+export STITCH_BENCH_COMMIT=${STITCH_BENCH_COMMIT:-}
+[ -n "$STITCH_BENCH_COMMIT" ] || echo "warning: STITCH_BENCH_COMMIT is unset: the JSONs record this copy's git HEAD" >&2
 mkdir -p "$OUT" "$SITE"
 suites=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift

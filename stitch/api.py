@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stitch.config.recipe import shipped_recipes
+from stitch.demo import tiny
 from stitch.host.host import load_plugins
 from stitch.model.automodel import automodel_backend
 from stitch.model.snapshots import shrink_layer_pattern, write_random_weights
@@ -64,34 +65,28 @@ __all__ = [
     "write_random_weights",
 ]
 
-# The tiny presets' building blocks live in stitch.demo, which the core imports only lazily (on first call).
+# The tiny presets' building blocks live in stitch.demo (stitch.demo.tiny imports transformers only when called).
 
 
 def chatml_template(start: str = "<|im_start|>", end: str = "<|im_end|>") -> str:
     """A ChatML-style chat template with the given role markers (``stitch.demo.tiny.chatml_template``)."""
-    from stitch.demo.tiny import chatml_template as template
-
-    return template(start, end)
+    return tiny.chatml_template(start, end)
 
 
 def train_tokenizer(out_dir: Path, special_tokens: Sequence[str], **options: Any) -> None:
     """Train and save a small BPE tokenizer for a tiny preset (``stitch.demo.tiny.train_tokenizer``: keyword
     options ``eos_token``, ``pad_token``, ``chat_template``, ``vocab_size``, ``corpus``...)."""
-    from stitch.demo.tiny import train_tokenizer as train
-
-    train(out_dir, special_tokens, **options)
+    tiny.train_tokenizer(out_dir, special_tokens, **options)
 
 
 def padded_vocab_size(tokenizer_dir: Path, multiple: int = 64) -> int:
     """Embedding rows for a saved tokenizer: its length rounded up to ``multiple``."""
-    from stitch.demo.tiny import padded_vocab_size as padded
-
-    return padded(tokenizer_dir, multiple)
+    return tiny.padded_vocab_size(tokenizer_dir, multiple)
 
 
 def pretrain_in_place(model_dir: Path, sentinels: tuple[str, str, str], **options: Any) -> None:
     """Pre-train a tiny preset's snapshot on task-style text and save it back (``stitch.demo.pretrain``: keyword
     options ``steps``, ``batch_size``, ``lr``, ``tokens_per_item``, ``seed``)."""
-    from stitch.demo.pretrain import pretrain_in_place as pretrain
+    from stitch.demo import pretrain  # deferred: plugin loading skips transformers (pretrain imports it)
 
-    pretrain(model_dir, sentinels, **options)
+    pretrain.pretrain_in_place(model_dir, sentinels, **options)

@@ -57,8 +57,11 @@ def render_plugin(output_dir: Path, modality: str, **extra: Any) -> Path:
     ``package_name``, ``author_name``, ...); unknown names and non-positive sizes are refused before any
     file is written, and an existing project directory is never overwritten.
     """
-    from cookiecutter.exceptions import CookiecutterException, OutputDirExistsException
-    from cookiecutter.main import cookiecutter
+    from cookiecutter.exceptions import (  # optional: cookiecutter ([scaffold] extra)
+        CookiecutterException,
+        OutputDirExistsException,
+    )
+    from cookiecutter.main import cookiecutter  # optional: cookiecutter ([scaffold] extra)
 
     validate_modality(modality)
     template = find_template()

@@ -3,8 +3,8 @@
 Why: ViT-B/32 attends 50 tokens in 12 heads of 64. On a Hopper GPU torch's sdpa (cuDNN's kernel, its pick) takes
 3-4x the time the layers' query, key, value and output rows need in HBM traffic: kernels tiled for long sequences
 spend most of their time on padding and set-up. CUTLASS's memory-efficient kernel is faster but gives an image other
-bits in another batch size; this
-kernel computes each image alone, so prepare's batches and serving's single images get the same features.
+bits in another batch size; this kernel computes each image alone, so prepare's batches and serving's single images
+get the same features.
 
 Where the kernel cannot run (a CPU, fp32, a mask, dropout, rows longer than ``MAX_TOKENS``, a head width Triton's
 dot does not take, no Triton) the call is transformers' own sdpa, unchanged.
@@ -22,7 +22,7 @@ import torch
 NAME = "stitch_vit"
 MAX_TOKENS = 128  # one program holds a head's [tokens x tokens] scores in registers
 # heads per program and warps per program: fixed (not autotuned) so every run of every batch size launches the same
-# kernel; benchmarks/vit_attention.py times the alternatives
+# kernel
 LAUNCH = {"heads": 1, "num_warps": 4}
 # looked up once at import, not in ``kernel_usable``: a compiled tower traces that function, and dynamo warns about
 # (and traces through) a cached function
@@ -44,9 +44,9 @@ def kernel_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
 def vit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q kᵀ · scale) v over whole rows: [batch, heads, tokens, dim] in (any strides with a unit last
     stride: the projections' views), [batch, tokens, heads, dim] out, contiguous."""
-    import triton
+    import triton  # optional: triton (CUDA torch)
 
-    from stitch_clip._vit_attention_kernel import vit_attention_kernel
+    from stitch_clip._vit_attention_kernel import vit_attention_kernel  # optional: triton (a Triton kernel)
 
     b, h, s, d = query.shape
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
@@ -78,7 +78,9 @@ def stitch_vit_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if kernel_usable(query, key, value, attention_mask, dropout):
         return torch.ops.stitch_clip.vit_attention(query, key, value, float(scale)), None
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import (
+        sdpa_attention_forward,  # deferred: plugin loading skips transformers
+    )
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
@@ -87,7 +89,7 @@ def stitch_vit_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 @functools.cache
 def register() -> str:
     """Register ``stitch_vit`` with transformers' attention interface (once); returns its name."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # deferred: plugin loading skips transformers
 
     AttentionInterface.register(NAME, stitch_vit_attention)
     return NAME

@@ -4,15 +4,19 @@ and ``stitch_clip.fast``."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from stitch.api import EncoderSpec, ModelSource
+from stitch_clip.attention import register
 from stitch_clip.fast import CopyAhead, compile_tower, patch_embedding_as_gemm
+from stitch_clip.gemm import fused_count
 from stitch_clip.media import unwrap
 from stitch_clip.nvjpeg import AA_HALF_WIDTH, ClipDeviceGeometry
 
@@ -30,8 +34,6 @@ DEMO_PAYLOAD = "clip_image_demo"
 
 def _open_image(value: Any) -> Any:
     """A lazily opened PIL image from bytes, a ``{"bytes", "path"}`` dict (datasets' Image) or a path."""
-    from PIL import Image
-
     value = unwrap(value)
     if isinstance(value, bytes | bytearray):
         return Image.open(io.BytesIO(value))
@@ -45,8 +47,6 @@ def decode_image(value: Any, min_short_side: int | None = None) -> Any:
 
     ``min_short_side``: a JPEG may decode at a reduced DCT scale (1/2, 1/4, 1/8: PIL's ``draft``), the smallest
     that still leaves its short side at least this long; the caller then resizes down to it anyway."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     try:
@@ -108,8 +108,6 @@ def resize_uint8(pixels: torch.Tensor, size: tuple[int, int], resample: int) -> 
     fixed-point rounding). A filter torch does not compute as PIL does goes through PIL."""
     mode = TORCH_RESAMPLE.get(resample)
     if mode is None:
-        from PIL import Image
-
         image = Image.fromarray(pixels.permute(1, 2, 0).numpy()).resize(size, resample=resample)
         return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
     out = torch.nn.functional.interpolate(pixels[None], size=(size[1], size[0]), mode=mode, antialias=True)
@@ -155,8 +153,6 @@ class ClipGeometry:
         """The preprocessing for an encoder on ``device``: on a CUDA device with torchvision installed, JPEGs
         decode there (``ClipDeviceGeometry``) where the processor's filter is bilinear or bicubic; anywhere else,
         this one."""
-        import importlib.util
-
         on_cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
         # the device resizes with the filters resize_weights computes; any other stays with the workers' PIL
         if on_cuda and self.resample in AA_HALF_WIDTH and importlib.util.find_spec("torchvision") is not None:
@@ -182,7 +178,7 @@ def clip_geometry(processor: Any) -> ClipGeometry | None:
 
 def load_clip_preprocess(source: ModelSource) -> ClipGeometry | None:
     """The snapshot's preprocessing for prepare's workers; reads only its processor config, never the weights."""
-    from transformers import CLIPImageProcessor
+    from transformers import CLIPImageProcessor  # deferred: plugin loading skips transformers
 
     return clip_geometry(CLIPImageProcessor.from_pretrained(**source.pretrained_kwargs()))
 
@@ -225,8 +221,6 @@ class ClipImageEncoder:
     @property
     def fused_mlps(self) -> int:
         """MLPs whose fc1 + bias + quick-GELU ``compile`` made one GEMM (``stitch_clip.gemm``)."""
-        from stitch_clip.gemm import fused_count
-
         return fused_count(self.model)
 
     def compile(self, batch_size: int) -> None:
@@ -306,13 +300,15 @@ class ClipImageEncoder:
 
 def load_clip(source: ModelSource, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
               feature_width: int = FEATURE_WIDTH):
-    from transformers import CLIPImageProcessor, CLIPVisionModel
-
-    from stitch_clip.attention import register
+    from transformers import (  # deferred: plugin loading skips transformers
+        CLIPImageProcessor,
+        CLIPVisionModel,
+    )
 
     kwargs = source.pretrained_kwargs()
     # stitch_vit: a Triton kernel for the tower's 50-token rows on a GPU in half precision, transformers' sdpa
-    # elsewhere; both give eager attention's features (tests/test_prepare_fast.py, tests/test_vit_attention.py)
+    # elsewhere; both give eager attention's features (tests/data/test_prepare_fast.py,
+    # tests/first_party/test_vit_attention.py)
     model = CLIPVisionModel.from_pretrained(**kwargs, use_safetensors=True, attn_implementation=register())
     processor = CLIPImageProcessor.from_pretrained(**kwargs)
     return ClipImageEncoder(model, processor, torch.device(device), dtype, feature_width)
@@ -324,7 +320,11 @@ def load_demo_clip(source: ModelSource, device: str | torch.device = "cpu", dtyp
 
 def build_tiny_clip(out_dir: Path, width: int = FEATURE_WIDTH) -> None:
     """A random-init CLIPVisionModel snapshot (2 layers) with ViT-B/32's 49-token grid, ``width`` wide."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+    from transformers import (  # deferred: plugin loading skips transformers
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        CLIPVisionModel,
+    )
 
     torch.manual_seed(0)
     config = CLIPVisionConfig(

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from stitch_clip.gemm import fuse_where_it_runs
+
 
 class PatchGemm(torch.nn.Conv2d):
     """CLIP's patch embedding (a Conv2d whose kernel equals its stride, no padding) computed as what it is: one
@@ -72,7 +74,5 @@ class CopyAhead:
 def compile_tower(patches: Any, model: Any, device: torch.device, dtype: torch.dtype) -> Any:
     """``patches`` (the tower's uint8-or-normalised pixels -> patch features) compiled for fixed-shape batches,
     after each MLP's fc1 + bias + quick-GELU became one GEMM where that kernel runs (``stitch_clip.gemm``)."""
-    from stitch_clip.gemm import fuse_where_it_runs
-
     fuse_where_it_runs(model, device, dtype)
     return torch.compile(patches, dynamic=False)

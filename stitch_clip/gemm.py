@@ -1,10 +1,10 @@
 """CLIP's MLP input projection, bias and quick-GELU as one GEMM on a Hopper GPU (quack's CuTe-DSL kernels).
 
-Why: the compiled tower ran fc1 as a cuBLAS GEMM and then inductor's bias + quick-GELU kernel, which reads and writes
-the [tokens x 3,072] activations through HBM once more in each layer (about a tenth of the tower's compute). quack's
-Hopper GEMM takes its epilogue as a Python function: with bias + quick-GELU in it, fc1 costs less than cuBLAS's GEMM
-alone, and about 0.7x the GEMM + epilogue pair. The GELU is computed in
-fp32 on the fp32 accumulator and rounded once.
+Why: compiled without it, the tower runs fc1 as a cuBLAS GEMM and then inductor's bias + quick-GELU kernel, which
+reads and writes the [tokens x 3,072] activations through HBM once more in each layer (about a tenth of the tower's
+compute). quack's Hopper GEMM takes its epilogue as a Python function: with bias + quick-GELU in it, fc1 costs less
+than cuBLAS's GEMM alone, and about 0.7x the GEMM + epilogue pair. The GELU is computed in fp32 on the fp32
+accumulator and rounded once.
 
 ``ClipImageEncoder.compile`` switches the MLPs (``fuse_where_it_runs``) on a device of compute capability 9.x, in half
 precision, with ``quack-kernels`` installed (``pip install 'stitch-clip[hopper]'``); anywhere else the MLP is
@@ -32,9 +32,8 @@ def _installed(distribution: str, module: str) -> bool:
 
 QUACK = _installed("quack-kernels", "quack")
 HALF = (torch.float16, torch.bfloat16)
-# quack's SM90 tile, the best of the five configs that built at ViT-B/32's fc1 (benchmarks/quack_gemm.py): 128 x 192
-# output tiles, two consumer warpgroups in ping-pong, clusters of two along M; fixed (not autotuned), so every run
-# launches the same kernel
+# quack's SM90 tile, the fastest of the configs that build at ViT-B/32's fc1: 128 x 192 output tiles, two consumer
+# warpgroups in ping-pong, clusters of two along M; fixed (not autotuned), so every run launches the same kernel
 CONFIG = {"tile_m": 128, "tile_n": 192, "pingpong": True, "cluster_m": 2, "cluster_n": 1}
 _BUILT: dict[str, Any] = {}
 _BUILDING = threading.Lock()  # prepare loads and checks the encoder on one thread and encodes on another
@@ -52,10 +51,10 @@ def _kernel() -> tuple[Any, Any]:
     """quack's epilogue GEMM for ``quick_gelu(x @ w.T + b)`` and its pinned config, built at the first call."""
     with _BUILDING:
         if not _BUILT:
-            from quack.activation import quick_gelu
-            from quack.epilogue.frontend import gemm_epilogue
-            from quack.epilogue.ops import RowVecLoad
-            from quack.gemm_config import GemmConfig
+            from quack.activation import quick_gelu  # optional: quack ([hopper] extra)
+            from quack.epilogue.frontend import gemm_epilogue  # optional: quack ([hopper] extra)
+            from quack.epilogue.ops import RowVecLoad  # optional: quack ([hopper] extra)
+            from quack.gemm_config import GemmConfig  # optional: quack ([hopper] extra)
 
             # the bias pinned as a row vector: quack infers it from the shapes, ambiguous where rows == width
             @gemm_epilogue(ops={"bias": RowVecLoad("bias")})

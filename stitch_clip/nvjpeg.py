@@ -4,6 +4,7 @@ by nvjpeg and resized + centre-cropped there in batched GEMMs; the reference is 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import io
 import math
 import os
@@ -15,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 
 from stitch.accel import SlotBytes
 from stitch_clip.media import media_bytes, unwrap
@@ -51,8 +53,6 @@ def device_decodable(data: bytes) -> tuple[int, int] | None:
     """The (width, height) of a JPEG the GPU decodes as the CPU would, else None: three-channel (not greyscale,
     CMYK or YCCK), upright (no EXIF orientation but 1) and whole (it ends with the end-of-image marker; a truncated
     file goes the CPU's way, which reports it). Reads the headers only."""
-    from PIL import Image, UnidentifiedImageError
-
     if data[-2:] != b"\xff\xd9":
         return None
     try:
@@ -121,8 +121,6 @@ class ClipDeviceGeometry:
     PIXEL_BUDGET = 256 * 640 * 640  # padded pixels a chunk resizes (float32, 3 channels: 1.2 GiB)
 
     def __init__(self, cpu: Any, decoder_version: str | None = None) -> None:
-        from importlib.metadata import version
-
         if cpu.resample not in AA_HALF_WIDTH:
             raise ValueError(f"the device geometry resizes with PIL's bilinear (2) or bicubic (3) filter, not "
                              f"resample={cpu.resample}: keep this processor's decode on the CPU")
@@ -130,7 +128,7 @@ class ClipDeviceGeometry:
         # nvjpeg comes with torchvision's build: another build may decode other pixels
         # /2: the resize weights in closed form, float64 rounded to float32 (/1: torch's float32 resize of an
         # identity matrix); pixels can differ from /1's by a level where a product sits at a rounding tie
-        self.identity = f"clip-nvjpeg/2 torchvision {decoder_version or version('torchvision')}"
+        self.identity = f"clip-nvjpeg/2 torchvision {decoder_version or importlib.metadata.version('torchvision')}"
         self._checked = False  # check_decoder has decoded on the device
         self._decoding: ThreadPoolExecutor | None = None  # device_batch's decode thread, made at its first call
 
@@ -163,7 +161,7 @@ class ClipDeviceGeometry:
 
     def decode_jpegs(self, datas: list[bytearray | np.ndarray], device: torch.device) -> list[torch.Tensor]:
         """uint8 [3, h, w] images on ``device``, decoded by nvjpeg in one batched call."""
-        from torchvision.io import ImageReadMode, decode_jpeg
+        from torchvision.io import ImageReadMode, decode_jpeg  # optional: torchvision (decode: device)
 
         return decode_jpeg([torch.frombuffer(d, dtype=torch.uint8) for d in datas], mode=ImageReadMode.RGB,
                            device=device)
@@ -241,7 +239,6 @@ class ClipDeviceGeometry:
         decoded image (none once checked)."""
         if self._checked:
             return []
-        from PIL import Image
 
         buf = io.BytesIO()
         Image.new("RGB", (64, 48), (200, 30, 90)).save(buf, "JPEG")

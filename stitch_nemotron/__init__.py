@@ -5,7 +5,9 @@ Models load as stitch's ``NemotronHForCausalLM`` (stock class plus ``generate(in
 
 from __future__ import annotations
 
-from stitch.api import hookimpl
+from pathlib import Path
+
+from stitch.api import hookimpl, shipped_recipes
 from stitch_nemotron.models import MODELS
 from stitch_nemotron.sentinels import SENTINELS
 
@@ -25,9 +27,5 @@ def register_token_sentinels(register):
 
 @hookimpl
 def register_recipes(register):
-    from pathlib import Path
-
-    from stitch.api import shipped_recipes
-
     for spec in shipped_recipes(Path(__file__).parent / "recipes"):
         register(spec)

@@ -49,7 +49,7 @@ def reference_scan(q, k, v, g, cu_seqlens):
 
 
 def fla_scan(q, k, v, g, cu_seqlens):
-    from fla.ops.simple_gla import chunk_simple_gla
+    from fla.ops.simple_gla import chunk_simple_gla  # optional: fla ([kernels] extra)
 
     o, _ = chunk_simple_gla(q, k, v, g=g, scale=1.0, **fla_seqlens(cu_seqlens))
     return o
@@ -93,7 +93,9 @@ def mamba2_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torc
 
 @functools.cache
 def _mixer_class():
-    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+    from transformers.models.nemotron_h.modeling_nemotron_h import (
+        NemotronHMamba2Mixer,  # deferred: plugin loading skips transformers
+    )
 
     class KernelMamba2Mixer(NemotronHMamba2Mixer):
         """The stock mixer; without a cache its forward runs ``mamba2_forward`` on ``stitch_backend``."""
@@ -125,7 +127,9 @@ def install_mamba2_kernels(model: torch.nn.Module, backend: str = FLA) -> int:
     """Swap every Mamba-2 mixer of ``model`` to the kernel forward; returns how many were swapped."""
     if backend not in BACKENDS:
         raise ValueError(f"Mamba-2 backend {backend!r}: expected one of {sorted(BACKENDS)}")
-    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+    from transformers.models.nemotron_h.modeling_nemotron_h import (
+        NemotronHMamba2Mixer,  # deferred: plugin loading skips transformers
+    )
 
     cls = _mixer_class()
     swapped = 0

@@ -64,7 +64,7 @@ PACKING_NOTE = (
 def load_nemotron_h(spec: ModelSpec, source: ModelSource, dtype: torch.dtype, trust_remote_code: bool) -> Any:
     """stitch's NemotronHForCausalLM (``generate(inputs_embeds=...)`` works) from safetensors via from_pretrained;
     a checkpoint key that does not land (published ``backbone.*`` names are renamed by transformers) is refused."""
-    from stitch_nemotron.generation import NemotronHForCausalLM
+    from stitch_nemotron.generation import NemotronHForCausalLM  # deferred: plugin loading skips transformers
 
     model, info = NemotronHForCausalLM.from_pretrained(
         **source.pretrained_kwargs(), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code,

@@ -3,9 +3,12 @@ tensor per routed expert), as random-init snapshots written shard by shard; shap
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from stitch.api import (
     chatml_template,
@@ -85,12 +88,9 @@ def published_config_json(config: Any) -> dict[str, Any]:
 def write_published_snapshot(name: str, out_dir: Path, layers: int | None = None, width: int | None = None,
                              dtype: Any = None, **weight_options: Any) -> None:
     """config.json, tokenizer and seeded random weights of ``name`` under the published key names."""
-    import json
+    from transformers import AutoTokenizer, NemotronHConfig  # deferred: plugin loading skips transformers
 
-    import torch
-    from transformers import AutoTokenizer, NemotronHConfig
-
-    from stitch_nemotron.generation import NemotronHForCausalLM
+    from stitch_nemotron.generation import NemotronHForCausalLM  # deferred: plugin loading skips transformers
 
     dtype = dtype or torch.bfloat16
     out_dir = Path(out_dir)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from stitch.api import chatml_template, padded_vocab_size, train_tokenizer
 from stitch_nemotron.sentinels import SENTINELS
 
 TINY_HIDDEN = 128
@@ -15,9 +18,7 @@ SPECIAL_TOKENS = (UNK, BOS, EOS_DOC, IM_START, IM_END, *SENTINELS.tokens)
 
 def config_kwargs(tokenizer_dir: Path, layers: list[str]) -> dict[str, Any]:
     """Shape shared by both presets: Mamba-2 (4 heads x 32), GQA attention with head dim 64."""
-    from transformers import AutoTokenizer
-
-    from stitch.api import padded_vocab_size
+    from transformers import AutoTokenizer  # deferred: plugin loading skips transformers
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return {
@@ -43,11 +44,9 @@ def config_kwargs(tokenizer_dir: Path, layers: list[str]) -> dict[str, Any]:
 
 
 def write_snapshot(out_dir: Path, layers: list[str], **extra: Any) -> None:
-    import torch
-    from transformers import GenerationConfig, NemotronHConfig
+    from transformers import GenerationConfig, NemotronHConfig  # deferred: plugin loading skips transformers
 
-    from stitch.api import chatml_template, train_tokenizer
-    from stitch_nemotron.generation import NemotronHForCausalLM
+    from stitch_nemotron.generation import NemotronHForCausalLM  # deferred: plugin loading skips transformers
 
     train_tokenizer(
         out_dir,

@@ -7,7 +7,9 @@ between the ``qwen3.5`` sentinels.
 
 from __future__ import annotations
 
-from stitch.api import hookimpl
+from pathlib import Path
+
+from stitch.api import hookimpl, shipped_recipes
 from stitch_qwen.models import MODELS
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.vlm_layout import VLM_TO_TEXT
@@ -33,9 +35,5 @@ def register_state_dict_adapters(register):
 
 @hookimpl
 def register_recipes(register):
-    from pathlib import Path
-
-    from stitch.api import shipped_recipes
-
     for spec in shipped_recipes(Path(__file__).parent / "recipes"):
         register(spec)

@@ -133,7 +133,11 @@ FUSED_ROPE_MODULES = ("transformers.models.qwen3.modeling_qwen3",)
 def liger_functions() -> dict[str, Any] | None:
     """liger-kernel's functional RMSNorm, SiLU-mul and RoPE, or None where liger-kernel does not import."""
     try:
-        from liger_kernel.transformers.functional import liger_rms_norm, liger_rope, liger_swiglu
+        from liger_kernel.transformers.functional import (  # optional: liger-kernel ([kernels] extra)
+            liger_rms_norm,
+            liger_rope,
+            liger_swiglu,
+        )
     except Exception:  # not installed, or its Triton does not import on this machine
         return None
     return {"rms_norm": liger_rms_norm, "swiglu": liger_swiglu, "rope": liger_rope}
@@ -230,8 +234,8 @@ def fla_gdn_functions() -> dict[str, Any] | None:
     if fla_kernels_usable() is not None:
         return None
     try:
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated  # optional: fla ([kernels] extra)
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional: fla ([kernels] extra)
     except Exception:  # an fla without them: transformers' layer stays
         return None
     return {"rule": chunk_gated_delta_rule, "norm": rms_norm_gated, "conv": fla_conv}
@@ -305,8 +309,8 @@ def fused_module_counts(model: Any) -> dict[str, int]:
 
 
 def restore_reference_kernels(model: Any, kinds: tuple[type, ...] = FUSED_MIXINS) -> None:
-    """Undo ``use_fused_kernels`` (the benchmark's stock mode): transformers' own modules and RoPE; ``kinds`` limits
-    it to some of the switched module kinds (RoPE is restored with the norms)."""
+    """Undo ``use_fused_kernels`` (the stock model, a comparison's reference): transformers' own modules and RoPE;
+    ``kinds`` limits it to some of the switched module kinds (RoPE is restored with the norms)."""
     drop_graphs(model)
     for module in model.modules():
         if isinstance(module, kinds):

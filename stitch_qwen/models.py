@@ -7,6 +7,8 @@ import logging
 import re
 from typing import Any
 
+import torch
+
 from stitch.accel import fla_triton_problem, varlen_kernels_ready, warn_kernel_fallback
 from stitch.api import ModelSource, ModelSpec, automodel_backend
 from stitch_qwen.kernels import install_fused_kernels, keep_reference_rule, use_fused_kernels, use_varlen
@@ -97,8 +99,6 @@ def fuse_experts(layer: dict[str, Any]) -> dict[str, Any]:
     """One layer's per-expert tensors (the published layout) as transformers' fused ``experts.gate_up_proj``
     [experts, 2 * inter, hidden] (gate rows first) and ``experts.down_proj`` [experts, hidden, inter], the layout
     AutoModel's Qwen3.5-MoE adapter reads in bf16 (it takes per-expert keys only as block-FP8 with scales)."""
-    import torch
-
     experts: dict[str, dict[int, dict[str, Any]]] = {}
     out = {}
     for key, value in layer.items():

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from stitch.api import (
     chatml_template,
     padded_vocab_size,
@@ -70,7 +72,11 @@ def text_shape(name: str, layers: int | None = None, width: int | None = None) -
 
 def build_config(name: str, tokenizer_dir: Path, layers: int | None, width: int | None) -> Any:
     """The published conditional-generation config; token ids are the snapshot tokenizer's own."""
-    from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5MoeConfig
+    from transformers import (  # deferred: plugin loading skips transformers
+        AutoTokenizer,
+        Qwen3_5Config,
+        Qwen3_5MoeConfig,
+    )
 
     moe = "num_experts" in TEXT[name]
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -93,8 +99,7 @@ def write_published_snapshot(name: str, out_dir: Path, layers: int | None = None
     """config.json, tokenizer and seeded random weights of ``name`` under the published key names
     (``model.language_model.*``, ``model.visual.*``, ``lm_head`` unless tied, routed experts one tensor each);
     ``vocab_size`` overrides the embedding rows (narrow snapshots otherwise get their tokenizer's size)."""
-    import torch
-    import transformers
+    import transformers  # deferred: plugin loading skips transformers
 
     dtype = dtype or torch.bfloat16
     out_dir = Path(out_dir)

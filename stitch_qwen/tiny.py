@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from stitch.api import chatml_template, padded_vocab_size, pretrain_in_place, train_tokenizer
 from stitch_qwen.sentinels import SENTINELS
 
 TINY_HIDDEN = 128
@@ -15,9 +18,7 @@ SPECIAL_TOKENS = (PAD, "<|im_start|>", EOS, *SENTINELS.tokens)
 
 def text_config_kwargs(tokenizer_dir: Path) -> dict[str, Any]:
     """Shape shared by both tiny presets: one Gated DeltaNet layer, one full-attention layer, head dim 64."""
-    from transformers import AutoTokenizer
-
-    from stitch.api import padded_vocab_size
+    from transformers import AutoTokenizer  # deferred: plugin loading skips transformers
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return {
@@ -43,15 +44,12 @@ def text_config_kwargs(tokenizer_dir: Path) -> dict[str, Any]:
 
 def write_tokenizer(out_dir: Path) -> None:
     """The tiny presets' tokenizer (every Qwen tiny preset trains the same one): a preset's tokenizer_builder."""
-    from stitch.api import chatml_template, train_tokenizer
-
     train_tokenizer(out_dir, SPECIAL_TOKENS, eos_token=EOS, pad_token=PAD, chat_template=chatml_template())
 
 
 def write_snapshot(out_dir: Path, config_cls: type, model_cls: type, **extra: Any) -> None:
     """Tokenizer + config (``extra`` overrides the shared shape) + seeded weights, saved to ``out_dir``."""
-    import torch
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # deferred: plugin loading skips transformers
 
     write_tokenizer(out_dir)
     config = config_cls(**{**text_config_kwargs(out_dir), **extra})
@@ -65,14 +63,20 @@ def write_snapshot(out_dir: Path, config_cls: type, model_cls: type, **extra: An
 
 def build_qwen35_tiny(out_dir: Path) -> None:
     """Dense hybrid: Qwen3_5ForCausalLM with linear and full attention."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import (  # deferred: plugin loading skips transformers
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+    )
 
     write_snapshot(out_dir, Qwen3_5TextConfig, Qwen3_5ForCausalLM)
 
 
 def build_qwen35_moe_tiny(out_dir: Path) -> None:
     """MoE hybrid: Qwen3_5MoeForCausalLM, 4 routed experts (top-2) plus the shared expert in every layer."""
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers import (  # deferred: plugin loading skips transformers
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+    )
 
     write_snapshot(
         out_dir,
@@ -88,7 +92,10 @@ def build_qwen35_moe_tiny(out_dir: Path) -> None:
 def write_qwen35_demo_init(out_dir: Path) -> None:
     """The demo base before its pre-training: Qwen3_5ForCausalLM with full-attention layers only (packable on every
     backend), seeded."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import (  # deferred: plugin loading skips transformers
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+    )
 
     write_snapshot(out_dir, Qwen3_5TextConfig, Qwen3_5ForCausalLM, layer_types=["full_attention"] * 2)
 
@@ -96,7 +103,5 @@ def write_qwen35_demo_init(out_dir: Path) -> None:
 def build_qwen35_demo(out_dir: Path) -> None:
     """The demo base: ``write_qwen35_demo_init``, pre-trained on task-style chat text so LoRA + projector can learn
     in minutes on a CPU."""
-    from stitch.api import pretrain_in_place
-
     write_qwen35_demo_init(out_dir)
     pretrain_in_place(out_dir, SENTINELS.tokens, steps=300, batch_size=32)

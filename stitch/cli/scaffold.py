@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from stitch.cli.app import app
+from stitch.scaffold import ScaffoldError, render_plugin
 
 
 @app.command("new-plugin")
@@ -17,8 +18,6 @@ def new_plugin(
     width: int = typer.Option(None, "--width", help="Encoder feature width (template default if omitted)."),
 ) -> None:
     """Scaffold a modality plugin project: encoder, rollout payload, README walking the stages, tests."""
-    from stitch.scaffold import ScaffoldError, render_plugin
-
     sizes = {"tokens_per_item": tokens, "feature_width": width}
     try:
         project = render_plugin(out, modality, **{k: v for k, v in sizes.items() if v is not None})

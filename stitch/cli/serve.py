@@ -9,6 +9,8 @@ from pathlib import Path
 import typer
 
 from stitch.cli.app import app, console, err_console
+from stitch.host.host import get_host
+from stitch.runs.atomic import write_text_atomic
 
 _CHECKPOINT_HELP = "A checkpoints root (LATEST is used), a step dir, or a PEFT dir."
 
@@ -84,10 +86,7 @@ def infer(
     max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
 ) -> None:
     """Answer questions about inputs: the model loads once; per input the encoder runs once, then projector and engine."""
-    from stitch.host.host import get_host
-    from stitch.runs.atomic import write_text_atomic
-    from stitch.runs.progress import progress
-    from stitch.serve.inference import Stitched
+    from stitch.serve.inference import Stitched  # deferred: stitch --help skips torch
 
     if input_rows is None:
         if not media or question is None:
@@ -130,9 +129,8 @@ def export(
         "projector; other encoders are refused (use stitch)."),
 ) -> None:
     """Merge the adapter into the base LM and write it in the chosen format (see --format)."""
-    from stitch.host.host import get_host
-    from stitch.serve.export import export_checkpoint
-    from stitch.serve.llava_export import export_llava
+    from stitch.serve.export import export_checkpoint  # deferred: stitch --help skips torch
+    from stitch.serve.llava_export import export_llava  # deferred: stitch --help skips torch
 
     if format not in ("stitch", "llava"):
         raise typer.BadParameter(f"expected stitch or llava, got {format!r}", param_hint="--format")
@@ -162,7 +160,6 @@ def serve(
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible API: POST /v1/chat/completions (streaming, n, sampling, several
     media per message, multi-turn), GET /v1/models, GET /health; concurrent requests are batched."""
-    from stitch.host.host import get_host
     from stitch.serve.chat import Limits
 
     try:

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from stitch.cli.app import app, console
+from stitch.host.host import get_host
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -29,10 +30,9 @@ def snapshot(
 ) -> None:
     """Write config.json, tokenizer and seeded random weights under the published key names, shard by shard (the
     host never holds the whole model), so `model: {name: MODEL, snapshot: OUT}` in a recipe trains offline."""
-    import torch
+    import torch  # deferred: stitch --help skips torch
 
-    from stitch.host.host import get_host
-    from stitch.model.snapshots import write_model_snapshot
+    from stitch.model.snapshots import write_model_snapshot  # deferred: stitch --help skips torch
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")

@@ -9,8 +9,9 @@ from typing import Any
 import typer
 
 from stitch.cli.app import app, console, print_table, wrapping_table
-from stitch.config.recipe import Recipe
-from stitch.host.host import get_host
+from stitch.config.recipe import Recipe, RecipeError, load_recipe
+from stitch.host.host import RegistryLookupError, get_host
+from stitch.host.validate import validate_recipe
 from stitch.stages.registry import STAGES
 
 OVERRIDES_HELP = "Recipe overrides as key=value (e.g. stages.sft.steps=50)."
@@ -19,8 +20,6 @@ OVERRIDES_HELP = "Recipe overrides as key=value (e.g. stages.sft.steps=50)."
 def _load(recipe: str, overrides: list[str] | None) -> Recipe:
     """The recipe (a registered name or a path) with command-line ``key=value`` overrides applied (and refused by
     field path when wrong)."""
-    from stitch.config.recipe import load_recipe
-
     return load_recipe(recipe, get_host(), overrides=overrides or ())
 
 
@@ -34,9 +33,8 @@ def train(
     max_steps: int = typer.Option(None, "--max-steps", help="Stop after this many steps (for smoke runs)."),
 ) -> None:
     """Run one post-training stage of a recipe; prepared data is read from OUT/data."""
-    from stitch.host.validate import validate_recipe
-    from stitch.stages.distributed import launch_rank
-    from stitch.stages.loop import run_stage
+    from stitch.stages.distributed import launch_rank  # deferred: stitch --help skips torch
+    from stitch.stages.loop import run_stage  # deferred: stitch --help skips torch
 
     if stage not in STAGES:
         raise typer.BadParameter(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
@@ -82,8 +80,7 @@ def run(
     dpo: bool = typer.Option(False, "--dpo", help="Also run the DPO stage after GRPO."),
 ) -> None:
     """The main job: prepare -> alignment -> SFT -> GRPO -> evaluation -> answers to a few held-out rows."""
-    from stitch.host.validate import validate_recipe
-    from stitch.stages.chain import DEFAULT_STAGES, run_chain
+    from stitch.stages.chain import DEFAULT_STAGES, run_chain  # deferred: stitch --help skips torch
 
     if "=" in recipe and not Path(recipe).exists():  # `stitch run key=value ...`: overrides of the default recipe
         overrides, recipe = [recipe, *(overrides or [])], "demo"
@@ -130,18 +127,20 @@ def prepare(
                                                         "cpu, cuda, cuda:1...)."),
 ) -> None:
     """Stream the recipe's dataset, encode each row once, write feature-cache/ + manifest.jsonl."""
-    from stitch.config.recipe import RecipeError
-    from stitch.data.feature_cache import FeatureCacheError
-    from stitch.data.prepare import REPORT_NAME, PrepareError, describe_skips
-    from stitch.host.host import RegistryLookupError
-    from stitch.model.binding import ModelBinding
-    from stitch.stages.chain import prepare_data
+    from stitch.data.feature_cache import FeatureCacheError  # deferred: stitch --help skips torch
+    from stitch.data.prepare import (  # deferred: stitch --help skips torch
+        REPORT_NAME,
+        PrepareError,
+        describe_skips,
+    )
+    from stitch.model.binding import ModelBinding  # deferred: stitch --help skips torch
+    from stitch.stages.chain import prepare_data  # deferred: stitch --help skips torch
 
     try:
         loaded = _load(recipe, overrides)
         out = out or Path("runs") / loaded.name / "data"
         if device == "auto":
-            import torch
+            import torch  # deferred: stitch --help skips torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         binding = ModelBinding.for_recipe(loaded, get_host(), device="cpu")  # the tokenizer only

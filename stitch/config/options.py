@@ -43,6 +43,7 @@ Flag = Annotated[bool, StrictValue()]
 Text = Annotated[str, StrictValue()]
 
 STRICT_CONFIG = ConfigDict(extra="forbid", frozen=True)
+STRICT_DATACLASS = ConfigDict(extra="forbid")  # the same for pydantic dataclasses (frozen by their decorator)
 
 
 class Strict(BaseModel):

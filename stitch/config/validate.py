@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from stitch.config.options import StageOptions
-from stitch.config.recipe import ParallelConfig, Recipe, RecipeError
+from stitch.config.recipe import Recipe, RecipeError
+from stitch.config.schema import ParallelConfig
 
 # -- parallel layout -----------------------------------------------------------------------------------
 # What a training stage divides across data-parallel ranks: every rank takes an equal share of it.

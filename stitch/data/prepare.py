@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from stitch.config.recipe import BuiltinSource, Recipe
+from stitch.config.data import BuiltinSource
+from stitch.config.recipe import Recipe
 from stitch.data.feature_cache import (
     CACHE_DIRNAME,
     MANIFEST_NAME,
@@ -68,6 +70,7 @@ from stitch.kernels.prepare_workers import (
 )
 from stitch.plugins.specs import EncoderSpec
 from stitch.runs.atomic import write_text_atomic
+from stitch.runs.lock import RunLock
 from stitch.runs.progress import progress
 
 __all__ = ["REPORT_NAME", "BudgetExceeded", "InvalidRow", "PrepareError", "PrepareReport", "describe_skips",
@@ -475,8 +478,6 @@ def prepare(
     is loaded on first need). Shards already in the cache are reused; once the new manifest is in place, shards it
     does not reference are deleted. One preparation per ``out_dir`` at a time: a second is refused (``RunLock``).
     """
-    from stitch.runs.lock import RunLock
-
     clock = PhaseClock()
     with clock("tokenizer_load"):
         prompts = PromptCheck(recipe, tokenizer, sentinel_ids, encoder_spec.tokens_per_item)

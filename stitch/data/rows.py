@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from datasets import DownloadConfig, Json, load_dataset
+from jinja2 import TemplateError
 
-from stitch.config.recipe import BuiltinSource, DataSource, HubSource, LocalSource, Recipe
+from stitch.config.data import BuiltinSource, DataSource, HubSource, LocalSource
+from stitch.config.recipe import Recipe
 from stitch.data.collator import IMAGE_MARKER, image_markers, tokenize_example
 from stitch.data.feature_cache import (
     SHARD_FORMAT,
@@ -104,8 +107,6 @@ class ScannedRow:
 def open_stream(source: DataSource, cache_dir: Path, builtin: Callable[[BuiltinSource], Path] | None = None) -> Any:
     """A ``datasets`` IterableDataset over the source; every cache it writes goes under ``cache_dir``. A builtin
     source is read from the parquet file ``builtin(source)`` materialises."""
-    from datasets import DownloadConfig, load_dataset
-
     common: dict[str, Any] = {
         "streaming": True,
         "cache_dir": str(cache_dir),
@@ -138,8 +139,6 @@ def _undecoded(feature: Any) -> Any:
     """``feature`` (or the media feature a list holds) with decoding off; None when it decodes no media. A ``Json``
     column (what ``datasets`` infers for a column holding a string in some rows and a list in others) is left
     decoding: undecoded it hands back each value's JSON text, so a path would arrive quoted."""
-    from datasets import Json
-
     if isinstance(feature, Json) or not dataclasses.is_dataclass(feature):
         return None
     if getattr(feature, "decode", False):
@@ -422,8 +421,6 @@ class PromptCheck:
     given by the caller) and checks it fits the token budget of every stage that reads its partition."""
 
     def __init__(self, recipe: Recipe, tokenizer: Any, sentinel_ids: SentinelIds, tokens_per_item: int) -> None:
-        from jinja2 import TemplateError
-
         self.model = recipe.model
         self.tokenizer, self.sentinels, self.tokens = tokenizer, sentinel_ids, tokens_per_item
         self.columns = recipe.data.columns

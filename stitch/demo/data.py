@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+from datasets import Dataset, Features, Value
+from datasets import Image as ImageFeature
 from PIL import Image, ImageDraw
 
-from stitch.config.recipe import BuiltinSource
+from stitch.config.data import BuiltinSource
 from stitch.demo.tiny import CAPTION_QUESTION, COLORS, COUNT_QUESTION, MAX_OBJECTS, SHAPES, SIZES, answer_text
 from stitch.plugins.snapshot_cache import ensure_snapshot
 
@@ -197,10 +200,6 @@ def write_builtin(out_dir: Path, builtin: str, rows: int, caption_rows: int = 0,
                   **options: Any) -> Path:
     """Write a builtin dataset as ``out_dir/data/train-00000-of-00001.parquet``; returns that file.
     ``options`` go to the generator (``make_rows``'s annotator)."""
-    import pyarrow.parquet as pq
-    from datasets import Dataset, Features, Value
-    from datasets import Image as ImageFeature
-
     table = _generator(builtin)[0](rows, caption_rows, seed, **options)
     features = Features({
         key: ImageFeature() if key == "image" else Value("int32") if isinstance(value, int) else Value("string")

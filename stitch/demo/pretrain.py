@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stitch.data.collator import IGNORE_INDEX, tokenize_example
 from stitch.data.sentinels import SentinelIds
@@ -91,8 +92,6 @@ def deterministic_cpu() -> Iterator[None]:
 def pretrain_in_place(model_dir: Path, sentinels: tuple[str, str, str], *, steps: int = 300, batch_size: int = 32,
                       lr: float = 3e-3, tokens_per_item: int = 49, seed: int = 0) -> None:
     """Load the snapshot in ``model_dir``, train all parameters on task text, save it back (safetensors)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with deterministic_cpu():
         torch.manual_seed(seed)

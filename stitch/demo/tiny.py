@@ -57,8 +57,14 @@ def train_tokenizer(
     extra_config: dict | None = None,
 ) -> None:
     """Train a byte-level BPE on ``corpus`` and save it as a ``PreTrainedTokenizerFast`` in ``out_dir``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import (  # deferred: plugin loading skips transformers
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast  # deferred: plugin loading skips transformers
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -89,7 +95,7 @@ def train_tokenizer(
 
 def padded_vocab_size(tokenizer_dir: Path, multiple: int = 64) -> int:
     """The embedding rows for a tokenizer: its length read back, rounded up (as real checkpoints do)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: plugin loading skips transformers
 
     n = len(AutoTokenizer.from_pretrained(tokenizer_dir))
     return -(-n // multiple) * multiple

@@ -258,9 +258,7 @@ def load_plugins(
     match either the entry-point name or the distribution name. A plugin that fails to import is recorded
     in ``host.failures`` with its error; the others still load.
     """
-    from stitch.host import (
-        builtins,  # torch-backed modules: imported when plugins load, not when the CLI starts
-    )
+    from stitch.host import builtins  # deferred: stitch --help skips torch (the built-ins import it)
 
     host = PluginHost()
     host._add(builtins, PluginInfo(BUILTIN_NAME, "stitch-lm", __version__, builtin=True))

@@ -53,7 +53,7 @@ _NATIVE_GQA: dict[str, bool | None] = {"ok": None}  # whether this torch's varle
 def _varlen_attn() -> tuple[Callable | None, bool]:
     """torch's varlen flash attention (None where this torch has none) and whether it takes ``enable_gqa``."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # optional: torch builds without varlen
     except ImportError:
         return None, False
     return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
@@ -131,7 +131,9 @@ def stitch_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: t
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                             **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention interface: q [B, H, T, D], k/v [B, Hkv, T, D] -> ([B, T, H, D], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import (
+        sdpa_attention_forward,  # deferred: plugin loading skips transformers
+    )
 
     cu = kwargs.get("cu_seq_lens_q")
     packed = cu is not None and attention_mask is None and query.shape[2] == key.shape[2]
@@ -161,7 +163,7 @@ def stitch_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: t
 
 def stitch_varlen_mask(*args: Any, **kwargs: Any) -> Any:
     """transformers mask interface: no mask for a packed call (the attention keeps samples apart), SDPA's otherwise."""
-    from transformers.masking_utils import sdpa_mask
+    from transformers.masking_utils import sdpa_mask  # deferred: plugin loading skips transformers
 
     if _PACKED_CALL.get() and kwargs.get("attention_mask") is None:
         return None
@@ -171,8 +173,10 @@ def stitch_varlen_mask(*args: Any, **kwargs: Any) -> Any:
 @functools.cache
 def register() -> str:
     """Register ``stitch_varlen`` with transformers' attention and mask interfaces (once); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers import AttentionInterface  # deferred: plugin loading skips transformers
+    from transformers.masking_utils import (
+        AttentionMaskInterface,  # deferred: plugin loading skips transformers
+    )
 
     AttentionInterface.register(NAME, stitch_varlen_attention)
     AttentionMaskInterface.register(NAME, stitch_varlen_mask)
@@ -184,7 +188,7 @@ def _skip_sample_detection_in_packed_calls() -> None:
     """transformers looks for packed samples in the position ids before it calls the mask interface, and that
     look reads the device (a sync per mask, per forward). In a packed call stitch's mask interface returns no mask
     and the attention takes the sample starts StitchedModel hands it, so the look is skipped there."""
-    from transformers import masking_utils
+    from transformers import masking_utils  # deferred: plugin loading skips transformers
 
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is None or getattr(original, "_stitch_skips_packed_calls", False):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,17 +84,17 @@ def liger_chunk_budget(tokens: int, hidden: int, vocab: int, rows: int | None = 
     return max(1, -(-vocab * min(rows, tokens) // (hidden * max(tokens, 1))))
 
 
-# liger's chunk rows (``liger_chunk_budget``); None keeps liger's own default budget (the benchmark's baseline)
+# liger's chunk rows (``liger_chunk_budget``); None keeps liger's own default budget
 LIGER_CHUNK_TOKENS: int | None = CHUNK_TOKENS
 
 
 @functools.cache
 def _liger_function() -> Any:
     """liger's autograd function when it takes a chunk budget (``chunk_mem_const``, liger >= 0.8.5), else None."""
-    import inspect
-
     try:
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+        from liger_kernel.ops.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyFunction,  # optional: liger-kernel ([kernels] extra)
+        )
     except Exception:  # noqa: BLE001 - a liger without it uses its module and its own budget
         return None
     params = list(inspect.signature(LigerFusedLinearCrossEntropyFunction.forward).parameters)
@@ -105,7 +106,9 @@ def _liger_loss() -> Any:
     if importlib.util.find_spec("liger_kernel") is None:
         return None
     try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        from liger_kernel.transformers import (
+            LigerFusedLinearCrossEntropyLoss,  # optional: liger-kernel ([kernels] extra)
+        )
     except Exception:  # noqa: BLE001 - an installed but broken liger falls back to the chunked path
         return None
     return LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="sum")

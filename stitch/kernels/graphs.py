@@ -26,7 +26,7 @@ block's inputs and parameters) are copied out as soon as the graph has replayed,
 capture and every backward graph reuses the same memory. That is safe in any order of capture and replay: a
 backward graph's gradient-in buffer is filled just before it replays, and its outputs are read just after, before
 anything else runs on the device. ``STITCH_CUDA_GRAPHS=0`` turns the whole mechanism off; ``keep_eager(model)``
-turns it off for one model (a model plugin's ``ModelSpec.cuda_graphs=False``: Nemotron-H, whose packed 4B step ran
+turns it off for one model (a model plugin's ``ModelSpec.cuda_graphs=False``: Nemotron-H, whose packed 4B step is
 ~5 % slower with its blocks graphed).
 """
 
@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as base
 
 log = logging.getLogger("stitch")
 
@@ -239,8 +240,6 @@ class Layout:
     def signature(self, xs: tuple[torch.Tensor, ...]) -> tuple | None:
         """What a captured graph on inputs ``xs`` depends on; None when this call cannot use one (module hooks, a
         LoRA layer whose active adapter is not plain, nothing that needs a gradient)."""
-        from torch.nn.modules import module as base
-
         if not self.capturable or base._global_forward_hooks or base._global_forward_pre_hooks \
                 or base._global_backward_hooks:
             return None

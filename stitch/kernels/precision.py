@@ -178,7 +178,7 @@ def shared_input_projections(x: torch.Tensor, modules: Sequence[nn.Module]) -> l
 
 
 def _peft_lora_linear() -> type:
-    from peft.tuners.lora.layer import Linear
+    from peft.tuners.lora.layer import Linear  # deferred: plugin loading skips transformers
 
     return Linear
 

@@ -5,9 +5,12 @@ they cross this seam as callables and values (this module imports nothing of ``s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import gc
 import itertools
+import multiprocessing
+import signal
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -15,6 +18,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp  # its pickler hands tensors over in shared memory
 
 from stitch.kernels.shared_slots import SharedSlots, SlotBytes, SlotRef
 
@@ -161,8 +165,6 @@ _WORKER_SLOTS: SharedSlots | None = None  # inherited through fork, never pickle
 def _init_media_worker(decoder: Any, slots: SharedSlots | None = None) -> None:
     global _WORKER_DECODER, _WORKER_SLOTS
     with contextlib.suppress(Exception):  # Linux: a killed run takes its workers with it (they would wait forever)
-        import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     torch.set_num_threads(1)  # one decode per process; torch only stacks here
@@ -205,8 +207,6 @@ def _taken_over(results: list[Any], view: Callable[[SlotBytes], Any], preprocess
 
 
 def fork_available() -> bool:
-    import multiprocessing
-
     return "fork" in multiprocessing.get_all_start_methods()
 
 
@@ -217,7 +217,6 @@ def media_pool(workers: int, decoder: Any, slots: SharedSlots | None = None) -> 
     ``fork_available()``)."""
     if workers == 0:
         return None
-    import torch.multiprocessing as mp  # its pickler hands tensors over in shared memory
 
     method = "fork" if fork_available() else "spawn"
     if slots is not None and method != "fork":

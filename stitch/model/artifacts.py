@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from stitch.model.projector import projector_input_width
@@ -63,8 +64,6 @@ def save_projector_artifact(
     ``provenance`` must hold every field in ``PROVENANCE_FIELDS``; a module's input width must match
     ``feature_width``.
     """
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     missing = [f for f in PROVENANCE_FIELDS if f not in provenance]
     if missing:
@@ -151,8 +150,6 @@ def load_projector_artifact(
     directory: Path | str, expected: Mapping[str, Any] | None = None
 ) -> dict[str, torch.Tensor]:
     """The projector state dict, after checking provenance against ``expected`` and every tensor checksum."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     manifest = read_projector_manifest(directory)
     check_provenance(manifest, expected or {}, f"projector artifact {directory}")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from stitch.plugins.specs import ModelBackend, ModelSpec
 
@@ -54,8 +55,6 @@ class AutoModelLM:
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Mapping[str, Any] | None = None) -> None:
         """Recompute each decoder layer in backward (non-reentrant); module names, hence LoRA keys, stay."""
-        from torch.utils.checkpoint import checkpoint
-
         kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
         layers = self.get_decoder().layers
         for layer in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
@@ -83,7 +82,9 @@ def _stitch_class(model_class: str) -> type:
 
 
 def _backend_config(device: torch.device) -> Any:
-    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.common import (
+        BackendConfig,  # optional: nemo_automodel ([automodel] extra)
+    )
 
     # no TransformerEngine on stitch's machines: torch linears and SDPA; grouped GEMM (torch._grouped_mm) for the
     # routed experts on a GPU, AutoModel's per-expert loop on the CPU; no expert parallelism (one process)
@@ -104,7 +105,7 @@ def load_automodel(model_class: str, prepare: Callable[[dict[str, torch.Tensor]]
     A checkpoint that ties its head to the embeddings loads into a class that keeps them apart (AutoModel's Qwen3.5
     classes) as an equal copy: the base is frozen, so the two never diverge. A key that lands nowhere, or a weight
     the checkpoint lacks, is refused by name."""
-    from nemo_automodel.shared.tied_weights import TieSupport
+    from nemo_automodel.shared.tied_weights import TieSupport  # optional: nemo_automodel ([automodel] extra)
 
     device = torch.device(device or "cpu")
     cls = _stitch_class(model_class)

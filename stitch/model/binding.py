@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file
 
 from stitch.config.options import LoraOptions
 from stitch.config.recipe import Recipe
@@ -161,12 +163,8 @@ class ModelBinding:
         projector = self.build_projector(hidden)
         projector.requires_grad_(train_projector)
         if adapter_from is not None:
-            from peft import PeftModel
-
             lm = PeftModel.from_pretrained(lm, str(adapter_from), is_trainable=train_adapter)
         elif lora is not None:
-            from peft import LoraConfig, get_peft_model
-
             lora = lora if isinstance(lora, LoraOptions) else LoraOptions.model_validate(lora)
             config = LoraConfig(
                 r=lora.r,
@@ -269,9 +267,6 @@ class ModelBinding:
         """Restore projector and adapter tensors saved by ``save_trainable`` (for an exact resume)."""
         self.load_projector(model.projector, step_dir / "projector", hidden_size(model.lm))
         if hasattr(model.lm, "peft_config"):
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
             state = load_file(str(step_dir / "adapter" / "adapter_model.safetensors"))
             result = set_peft_model_state_dict(model.lm, state)
             if result.unexpected_keys:

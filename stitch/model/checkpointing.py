@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 
 class CheckpointingError(ValueError):
@@ -16,8 +17,6 @@ class CheckpointingError(ValueError):
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The modules transformers lets checkpoint (its ``GradientCheckpointingLayer``s: one per decoder layer)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 

@@ -8,6 +8,11 @@ applies it to snapshots in the adapter's source layout, and it records whether t
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
 import json
 import logging
 import weakref
@@ -16,6 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer
 
 from stitch.plugins.registry import Registry
 from stitch.plugins.specs import ModelSource, ModelSpec, StateDictAdapterSpec
@@ -27,8 +36,6 @@ _WITH_SAMPLE_STARTS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def load_tokenizer(spec: ModelSpec, source: ModelSource | None = None, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
     source = source or spec.source
     return AutoTokenizer.from_pretrained(**source.tokenizer_kwargs(), trust_remote_code=trust_remote_code)
 
@@ -43,7 +50,6 @@ def local_snapshot(source: ModelSource) -> Path:
     path = Path(kwargs["pretrained_model_name_or_path"])
     if path.is_dir():
         return path
-    from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(repo_id=kwargs["pretrained_model_name_or_path"], revision=kwargs.get("revision"),
                                   allow_patterns=["*.json", "*.safetensors"]))
@@ -59,8 +65,6 @@ def with_local_snapshot(spec: ModelSpec, directory: Path | str) -> ModelSpec:
     Refused here, before any weight is read, when the directory is missing, lacks config.json or safetensors
     weights, or its text model's hidden size is not ``spec.hidden_size`` (projectors are built to that width).
     """
-    import dataclasses
-
     directory = Path(directory)
     where = f"model {spec.name!r}: local snapshot {str(directory)!r}"
     if not directory.is_dir():
@@ -73,7 +77,6 @@ def with_local_snapshot(spec: ModelSpec, directory: Path | str) -> ModelSpec:
     if "model.safetensors" not in found and "model.safetensors.index.json" not in found:
         raise SnapshotError(f"{where} has no model.safetensors or model.safetensors.index.json (found: "
                             f"{found[:12]}); stitch loads weights from safetensors only")
-    from transformers import AutoConfig
 
     actual = AutoConfig.from_pretrained(directory, trust_remote_code=False).get_text_config().hidden_size
     if actual != spec.hidden_size:
@@ -91,9 +94,6 @@ def with_backend(spec: ModelSpec, backend: str) -> ModelSpec:
     """``spec`` loading through its plugin's ``backend`` (``"transformers"``: as registered), its LoRA targets under
     that backend's module names. Refused here, before any weight is read, when the plugin offers no such backend or
     the package it needs does not import (the message names the extra to install)."""
-    import dataclasses
-    import importlib
-
     if backend == "transformers":
         return spec
     offered = ["transformers", *spec.backends]
@@ -126,8 +126,6 @@ def snapshot_fingerprint(directory: Path | str) -> str:
     at the start, middle and end. A different config, tokenizer, layout or dtype, or re-initialised or re-trained
     weights, change it; it reads a few MiB per shard, not the shards (an edit confined to the unsampled middle of a
     shard is not seen)."""
-    import hashlib
-
     directory = Path(directory)
     digest = hashlib.sha256()
     for path in sorted(directory.glob("*.json")) + sorted(directory.glob("*.safetensors")):
@@ -167,8 +165,6 @@ class SafetensorsStateDict(Mapping[str, Any]):
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
             self._files = {key: snapshot / name for key, name in weight_map.items()}
         elif (snapshot / "model.safetensors").exists():
-            from safetensors import safe_open
-
             path = snapshot / "model.safetensors"
             with safe_open(path, framework="pt") as handle:
                 self._files = {key: path for key in handle.keys()}  # noqa: SIM118 (safe_open is not a dict)
@@ -181,8 +177,6 @@ class SafetensorsStateDict(Mapping[str, Any]):
         self._handles: dict[Path, Any] = {}
 
     def __getitem__(self, key: str) -> Any:
-        from safetensors import safe_open
-
         path = self._files[key]
         if path not in self._handles:
             self._handles[path] = safe_open(path, framework="pt")
@@ -212,8 +206,6 @@ def state_dict_adapter(spec: ModelSpec, registry: Registry | None) -> StateDictA
 
 def _load_through_adapter(spec: ModelSpec, adapter: StateDictAdapterSpec, snapshot: Path, source: ModelSource,
                           dtype: torch.dtype, trust_remote_code: bool, device: str | None) -> Any:
-    import transformers
-
     cls = getattr(transformers, spec.architecture)
     config = transformers.AutoConfig.from_pretrained(snapshot, trust_remote_code=trust_remote_code)
     state_dict = adapter.convert(SafetensorsStateDict(snapshot, lazy=True))
@@ -263,8 +255,6 @@ def load_model(
                  source.describe(), adapter.source_layout, adapter.name)
         model = _load_through_adapter(spec, adapter, snapshot, source, dtype, trust_remote_code, device)
     else:
-        import transformers
-
         cls = getattr(transformers, spec.architecture)
         kwargs = {"pretrained_model_name_or_path": str(snapshot)} if snapshot else source.pretrained_kwargs()
         if device is not None:
@@ -289,8 +279,6 @@ def _load_through_backend(spec: ModelSpec, adapter: StateDictAdapterSpec | None,
                           dtype: torch.dtype, trust_remote_code: bool, device: str | None) -> Any:
     """The spec's non-transformers backend fed the snapshot's text config and a lazy read of its weights in the
     text layout (through the binding's state-dict adapter where the snapshot is in the adapter's source layout)."""
-    import transformers
-
     snapshot = local_snapshot(source)
     config = transformers.AutoConfig.from_pretrained(snapshot, trust_remote_code=trust_remote_code)
     state_dict: Mapping[str, Any] = SafetensorsStateDict(snapshot, lazy=True)
@@ -328,8 +316,6 @@ def parameters_on_meta() -> Iterator[None]:
 def empty_model(spec: ModelSpec, cls: type, config: Any, dtype: torch.dtype) -> Any:
     """``cls`` built from ``config`` (what another rank loaded) with its parameters on the meta device, fitted for
     packed training like a loaded one; its weights arrive later (``DataParallel.build_sharded``)."""
-    import copy
-
     config = copy.deepcopy(config)
     # the attention rank 0's model runs was chosen after its load (StitchedModel registers stitch's varlen path
     # then): start from the default here, and StitchedModel makes the same choice again

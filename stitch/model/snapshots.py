@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import shutil
@@ -11,6 +13,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
+from safetensors.torch import save_file
 
 from stitch.runs.atomic import write_text_atomic
 
@@ -29,7 +34,7 @@ class ShardPlan:
 def _owners(model: Any) -> dict[Any, Any]:
     """Each module's nearest enclosing ``PreTrainedModel`` whose config has ``initializer_range`` (a VLM's text
     and vision towers initialise with their own configs; top-level heads fall back to the text model's)."""
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # deferred: plugin loading skips transformers
 
     owners: dict[Any, Any] = {}
 
@@ -73,8 +78,6 @@ class _Direct:
         self.module = module
 
     def materialise(self, device: str = "cpu") -> None:
-        import torch
-
         for name, param in list(self.module.named_parameters(recurse=False)):
             setattr(self.module, name, torch.nn.Parameter(torch.empty_like(param, device=device),
                                                           requires_grad=param.requires_grad))
@@ -89,8 +92,6 @@ class _Direct:
         return {n: t for n, t in self.module.state_dict().items() if "." not in n}
 
     def to(self, device: str) -> None:
-        import torch
-
         for name, param in list(self.module.named_parameters(recurse=False)):
             setattr(self.module, name, torch.nn.Parameter(param.to(device), requires_grad=param.requires_grad))
 
@@ -100,7 +101,9 @@ def plan_shards(model: Any, saved_keys: set[str], rename: Callable[[str], str], 
     """Shard files for ``model`` (on the meta device) with checkpoint key names: each unit's state dict through
     transformers' own ``revert_weight_conversion`` (what ``save_pretrained`` writes: per-expert tensors for fused
     experts) and then ``rename``. Only ``saved_keys`` are kept (tied duplicates are not)."""
-    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.core_model_loading import (
+        revert_weight_conversion,  # deferred: plugin loading skips transformers
+    )
 
     units = _units(model, unit_budget)
     groups: list[tuple[list[str], dict[str, int]]] = [([], {})]
@@ -144,8 +147,9 @@ def write_random_weights(model: Any, out_dir: Path, *, rename: Callable[[str], s
     differ between devices (their generators differ). Each shard is written by a background thread while the next
     is initialised, so at most two shards are in host memory.
     """
-    import torch
-    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.core_model_loading import (
+        revert_weight_conversion,  # deferred: plugin loading skips transformers
+    )
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -207,8 +211,6 @@ def _write_shard(shard: dict[str, Any], size: int, file_name: str, home: Path, o
     writes through a ``.tmpXXXXXX`` file beside its target, so a write killed midway leaves that file in the folder,
     and the next write of the same shard removes the folder first: a re-run leaves no partial GiBs behind."""
 
-    from safetensors.torch import save_file
-
     partial = home / f".{file_name}.partial.d"
     shutil.rmtree(partial, ignore_errors=True)
     (home / f".{file_name}.partial").unlink(missing_ok=True)  # the partial file an older stitch wrote
@@ -230,9 +232,6 @@ def _write_shard(shard: dict[str, Any], size: int, file_name: str, home: Path, o
 def _release_freed_memory() -> None:
     """Hand freed heap pages back to the OS (glibc ``malloc_trim``): shard-sized frees otherwise stay resident, and
     over a 70 GB write that retention, not the live shard, would set the host's peak."""
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c")
     try:
         ctypes.CDLL(name).malloc_trim(0)

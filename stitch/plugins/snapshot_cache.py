@@ -19,7 +19,7 @@ def snapshot_dir(key: str) -> Path:
     """Where the built snapshot for ``key`` lives: one directory per transformers version. A build records the
     version in its config files and runs that version's model code, so a cache filled by the quickstart's install
     (the newest transformers in range) is not what the test install's pinned one builds."""
-    import transformers  # the version names the directory; imported only when a preset is looked up
+    import transformers  # deferred: stitch --help skips transformers (its version names the directory)
 
     return cache_root() / "snapshots" / f"{key}@transformers-{transformers.__version__}"
 

@@ -29,6 +29,7 @@ with the engine's own log-probs, come back in prompt order, so GRPO's policy/eng
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from stitch.config.recipe import Recipe
 from stitch.model.loading import load_model, source_fingerprint, with_local_snapshot
@@ -128,8 +130,6 @@ def receive_state_dict(group: Any, manifest: Manifest, device: torch.device,
 
 def new_group(store: Any, rank: int, world_size: int, backend: str, timeout: datetime.timedelta) -> Any:
     """A standalone process group over ``store`` (the process's default group, if any, is not touched)."""
-    import torch.distributed as dist
-
     store = dist.PrefixStore("stitch-refit", store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -209,7 +209,7 @@ class RolloutWorker:
     @staticmethod
     def _gpu_ids() -> list[str]:
         try:
-            import ray
+            import ray  # optional: ray ([ray] extra)
 
             if not ray.is_initialized():  # outside an actor ray.get_gpu_ids() would start a local cluster
                 return []
@@ -222,8 +222,6 @@ class RolloutWorker:
                 "expected": self.expected, "base_fingerprint": self.base_fingerprint}
 
     def join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> int:
-        import torch.distributed as dist
-
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         self.group = new_group(store, self.rank, world_size, backend, timeout)
@@ -252,8 +250,6 @@ class RolloutWorker:
         return len(payload)
 
     def _build_vllm(self, payload: dict[str, torch.Tensor]) -> Any:
-        import json
-
         self._config_dir = tempfile.TemporaryDirectory(prefix="stitch-ray-vllm-")
         (Path(self._config_dir.name) / "config.json").write_text(json.dumps(self.engine_config))
         return VLLMEngine(self._config_dir.name, payload, pad_id=self.pad_id, eos_id=self.eos_id,
@@ -327,7 +323,7 @@ class RayRolloutEngine:
                  engine_options: Mapping[str, Any] | None = None, snapshot: Path | str | None = None,
                  base_fingerprint: str | None = None) -> None:
         try:
-            import ray
+            import ray  # optional: ray ([ray] extra)
         except ImportError as exc:
             raise ImportError("stages.grpo.placement: ray needs Ray: pip install 'ray==2.60.0'") from exc
         if replicas < 1:
@@ -358,11 +354,11 @@ class RayRolloutEngine:
             engine_config = None
             if engine == "vllm":
                 with tempfile.TemporaryDirectory() as tmp:
-                    import json
-
                     engine_config = json.loads((write_engine_config(lm, Path(tmp)) / "config.json").read_text())
             env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)}
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            from ray.util.scheduling_strategies import (
+                PlacementGroupSchedulingStrategy,  # optional: ray ([ray] extra)
+            )
 
             actor = ray.remote(RolloutWorker)
             specs = worker_specs(registry, engine, model)
@@ -403,7 +399,7 @@ class RayRolloutEngine:
         return cls(lm, **kwargs)
 
     def _place(self, ray: Any, replicas: int, policy_gpus: int, rollout_gpus: int, timeout_s: float) -> None:
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group  # optional: ray ([ray] extra)
 
         def bundle(gpus: int) -> dict[str, float]:
             return {"CPU": 1, **({"GPU": gpus} if gpus else {})}
@@ -423,8 +419,6 @@ class RayRolloutEngine:
                 + f"; the cluster has {ray.cluster_resources()}") from None
 
     def _open_group(self, ray: Any) -> None:
-        import torch.distributed as dist
-
         world = len(self.workers) + 1
         timeout = datetime.timedelta(seconds=self.timeout_s)
         host = ray.util.get_node_ip_address()
@@ -438,7 +432,7 @@ class RayRolloutEngine:
     def refit(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | None = None) -> None:
         """Broadcast new weights to every replica: a full merged state dict, a (peft) LM to merge, or ``None``
         for the live policy. The payload is validated whole before any worker is asked to receive."""
-        import ray
+        import ray  # optional: ray ([ray] extra)
 
         if weights is None:
             weights = self.source_lm
@@ -454,7 +448,7 @@ class RayRolloutEngine:
                  greedy: bool = False, seed: int | None = None) -> list[Completion]:
         """Completions for every prompt (``n`` each), in prompt order, with the engines' log-probs; ``seed``: the
         call's sampling seed (each replica samples from it and its rank, see :meth:`RolloutWorker.generate`)."""
-        import ray
+        import ray  # optional: ray ([ray] extra)
 
         count, replicas = len(prompt_embeds), len(self.workers)
         pending, start = [], 0
@@ -470,7 +464,7 @@ class RayRolloutEngine:
 
     def close(self) -> None:
         """Stop the workers, leave the refit group, remove the placement group (and Ray, if started here)."""
-        import ray
+        import ray  # optional: ray ([ray] extra)
 
         workers, self.workers = self.workers, []
         if workers and ray.is_initialized():
@@ -486,7 +480,7 @@ class RayRolloutEngine:
         self.store = None
         placement, self.placement = self.placement, None
         if placement is not None and ray.is_initialized():
-            from ray.util.placement_group import remove_placement_group
+            from ray.util.placement_group import remove_placement_group  # optional: ray ([ray] extra)
 
             remove_placement_group(placement)
         if self._started_ray:

