@@ -11,6 +11,7 @@ import typer
 from stitch.cli.app import app, console, err_console
 from stitch.host.host import get_host
 from stitch.runs.atomic import write_text_atomic
+from stitch.runs.progress import progress
 
 _CHECKPOINT_HELP = "A checkpoints root (LATEST is used), a step dir, or a PEFT dir."
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from stitch.config.data import BuiltinSource
 from stitch.config.recipe import Recipe

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from tqdm.auto import tqdm
 
 from stitch.config.options import STAGE_OPTIONS, StageOptions
 from stitch.config.recipe import Recipe, RecipeError
