@@ -47,6 +47,7 @@ from stitch.config.options import (
     Strict,
     Text,
 )
+from stitch.config.yaml_io import read_yaml_file
 from stitch.plugins.registry import Registry
 from stitch.plugins.specs import RecipeSpec
 
@@ -645,10 +646,7 @@ def load_recipe(name_or_path: str | Path, registry: Registry | None = None, *,
                           f"registry of recipes (load_recipe(name, host))")
     else:
         path = Path(registry.get("recipes", str(name_or_path)).path)
-    try:
-        mapping = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe {str(path)!r} is not valid YAML: {exc}") from exc
+    mapping = read_yaml_file(path)  # UTF-8 only; a key given twice is refused with both lines
     return parse_recipe(mapping, path=path, overrides=overrides)
 
 
