@@ -9,25 +9,11 @@ import stitch.cli.scaffold  # noqa: F401
 import stitch.cli.serve  # noqa: F401
 import stitch.cli.snapshot  # noqa: F401
 import stitch.cli.stages  # noqa: F401
-from stitch.cli.app import app, err_console
+from stitch.cli.app import app
+from stitch.cli.errors import run_guarded
 
 
 def main() -> None:
-    """Console entry point: a user-facing error prints one clear line (STITCH_DEBUG=1 shows the traceback)."""
-    import os
-    import sys
-
-    from stitch.host.host import PluginError, RegistryLookupError
-    from stitch.runs.lock import RunLockedError
-
-    try:
-        app()
-    except (ValueError, FileNotFoundError, FileExistsError, PluginError, RegistryLookupError, RunLockedError) as exc:
-        if os.environ.get("STITCH_DEBUG"):
-            raise
-        from rich.markup import escape
-
-        # escaped: a message holding "[...]" (a field path, a list) must print as written, not as markup
-        err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False)
-        sys.exit(2)
-
+    """Console entry point: a user-facing error prints one line and exits with its class's code (docs/errors.md);
+    ``stitch --debug`` (or STITCH_DEBUG=1) adds the traceback."""
+    run_guarded(app)

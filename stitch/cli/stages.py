@@ -117,25 +117,18 @@ def prepare(
                                                         "cpu, cuda, cuda:1...)."),
 ) -> None:
     """Stream the recipe's dataset, encode each row once, write feature-cache/ + manifest.jsonl."""
-    from stitch.config.recipe import RecipeError
-    from stitch.data.feature_cache import FeatureCacheError
-    from stitch.data.prepare import REPORT_NAME, PrepareError, describe_skips
-    from stitch.host.host import RegistryLookupError
+    from stitch.data.prepare import REPORT_NAME, describe_skips
     from stitch.model.binding import ModelBinding
     from stitch.stages.chain import prepare_data
 
-    try:
-        loaded = _load(recipe, overrides)
-        out = out or Path("runs") / loaded.name / "data"
-        if device == "auto":
-            import torch
+    loaded = _load(recipe, overrides)
+    out = out or Path("runs") / loaded.name / "data"
+    if device == "auto":
+        import torch
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        binding = ModelBinding.for_recipe(loaded, get_host(), device="cpu")  # the tokenizer only
-        report = prepare_data(loaded, binding, out, device=device)
-    except (RecipeError, PrepareError, FeatureCacheError, RegistryLookupError) as exc:
-        console.print(f"[red]prepare failed:[/red] {exc}", highlight=False)
-        raise typer.Exit(1) from exc
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    binding = ModelBinding.for_recipe(loaded, get_host(), device="cpu")  # the tokenizer only
+    report = prepare_data(loaded, binding, out, device=device)  # a refusal leaves through the CLI's error boundary
     table = Table(title=f"prepare {loaded.name} -> {out}")
     table.add_column("field")
     table.add_column("value")
