@@ -9,6 +9,7 @@ per class (docs/errors.md); anything else is an internal error, shown with its t
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -24,7 +25,7 @@ from stitch.host.host import PluginError, RegistryLookupError
 from stitch.model.artifacts import ArtifactError
 from stitch.model.loading import SnapshotError
 from stitch.runs.checkpoint import CheckpointIntegrityError
-from stitch.runs.diskspace import DiskFullError, is_disk_full
+from stitch.runs.diskspace import DiskFullError
 from stitch.runs.lock import RunLockedError
 
 DEBUG_ENV = "STITCH_DEBUG"  # set by ``stitch --debug``: user-facing errors keep their traceback too
@@ -47,8 +48,9 @@ INTERNAL_CODE = 1
 
 
 def classify(exc: BaseException) -> ErrorClass | None:
-    """The class of a user-facing error (an ``ENOSPC`` anywhere counts as a full disk), None for an internal one."""
-    if is_disk_full(exc, os.getcwd()):
+    """The class of a user-facing error (an ``ENOSPC`` that no writer named still counts as a full disk), None for
+    an internal one."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return ERROR_CLASSES[0]
     return next((c for c in ERROR_CLASSES if isinstance(exc, c.types)), None)
 
