@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from stitch.config.recipe import BuiltinSource, Recipe
+from stitch.config.recipe import BuiltinSource, LocalSource, Recipe
 from stitch.data.feature_cache import (
     CACHE_DIRNAME,
     MANIFEST_NAME,
@@ -488,6 +488,9 @@ def prepare(
     is loaded on first need). Shards already in the cache are reused; once the new manifest is in place, shards it
     does not reference are deleted. One preparation per ``out_dir`` at a time: a second is refused (``RunLock``).
     """
+    source = recipe.data.source
+    if isinstance(source, LocalSource) and not source.path.exists():  # before the encoder or any worker loads
+        raise PrepareError(f"data.source.path {str(source.path)!r} does not exist")
     clock = PhaseClock()
     with clock("tokenizer_load"):
         prompts = PromptCheck(recipe, tokenizer, sentinel_ids, encoder_spec.tokens_per_item)

@@ -43,9 +43,11 @@ def stitch(*args: str, launcher: str | None = None) -> subprocess.CompletedProce
 
 
 def one_line(res: subprocess.CompletedProcess) -> str:
-    lines = [line for line in res.stderr.splitlines() if line.strip() and not line.startswith("WARNING")]
-    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    return lines[0]
+    """The one error line, the last on stderr (progress bars and library warnings may come before it)."""
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert res.stderr.splitlines()[-1] == errors[0], res.stderr[-3000:]
+    return errors[0]
 
 
 def entries(root: Path) -> list[str]:
