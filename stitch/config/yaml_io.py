@@ -13,6 +13,10 @@ class RecipeFileError(ValueError):
     """A recipe file cannot be read as a YAML mapping; the message names the file, the line and the key."""
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping repeats a key; the message holds both line numbers."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key repeated within one mapping, naming both of its lines."""
 
@@ -26,9 +30,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: the safe constructor refuses it with its own message
                 continue
             if first != line:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping, on line {first} and on line {line}; "
-                                f"keep one", key_node.start_mark)
+                raise DuplicateKey(f"key {key!r} appears twice in one mapping, on line {first} and on line {line}; "
+                                   f"keep one")
         return super().construct_mapping(node, deep=deep)
 
 
@@ -36,8 +39,11 @@ def load_yaml_text(text: str, where: str) -> Any:
     """``text`` parsed with the safe loader, duplicate keys refused; ``where`` names the source in errors."""
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise RecipeFileError(f"{where} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except DuplicateKey as exc:
+        raise RecipeFileError(f"{where}: {exc}") from None
+    except yaml.YAMLError as exc:  # its marks name the line and column; the text was read from ``where``
+        detail = " ".join(str(exc).replace('in "<unicode string>", ', "").split())
+        raise RecipeFileError(f"{where} is not valid YAML: {detail}") from None
 
 
 def read_yaml_file(path: Path) -> Any:
