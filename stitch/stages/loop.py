@@ -258,8 +258,8 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
         check_resumable(ctx.resume_from, _resolved_yaml(recipe), getattr(recipe, "digest", ""),
                         ctx.layout.manifest)
     ctx.warm_start = warm_start_source(session, entry, opts)  # the gate runs before any model weights load
-    if dp.is_main and hasattr(recipe, "resolved_yaml"):
-        text = recipe.resolved_yaml() if callable(recipe.resolved_yaml) else recipe.resolved_yaml
+    text = _resolved_yaml(recipe)
+    if dp.is_main and text is not None:
         write_text_atomic(ctx.layout.recipe, text)
 
     args = runner.model_args()
