@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 from rich.console import Console
 from rich.measure import Measurement
@@ -40,3 +42,11 @@ def print_table(table: Table, out: Console = console) -> None:
         out.print(table)
     finally:
         out.width = width
+
+
+@app.callback()
+def _options(debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error too "
+                                                                "(same as STITCH_DEBUG=1).")) -> None:
+    """stitch: attach a frozen encoder to a base LM through a projector, and post-train it."""
+    if debug:
+        os.environ["STITCH_DEBUG"] = "1"  # read by the error boundary (stitch.cli.errors)

@@ -9,8 +9,8 @@ from typing import Any
 import typer
 
 from stitch.cli.app import app, console, print_table, wrapping_table
-from stitch.config.recipe import Recipe, RecipeError, load_recipe
-from stitch.host.host import RegistryLookupError, get_host
+from stitch.config.recipe import Recipe, load_recipe
+from stitch.host.host import get_host
 from stitch.host.validate import validate_recipe
 from stitch.stages.registry import STAGES
 
@@ -127,27 +127,18 @@ def prepare(
                                                         "cpu, cuda, cuda:1...)."),
 ) -> None:
     """Stream the recipe's dataset, encode each row once, write feature-cache/ + manifest.jsonl."""
-    from stitch.data.feature_cache import FeatureCacheError  # deferred: stitch --help skips torch
-    from stitch.data.prepare import (  # deferred: stitch --help skips torch
-        REPORT_NAME,
-        PrepareError,
-        describe_skips,
-    )
+    from stitch.data.prepare import REPORT_NAME, describe_skips  # deferred: stitch --help skips torch
     from stitch.model.binding import ModelBinding  # deferred: stitch --help skips torch
     from stitch.stages.chain import prepare_data  # deferred: stitch --help skips torch
 
-    try:
-        loaded = _load(recipe, overrides)
-        out = out or Path("runs") / loaded.name / "data"
-        if device == "auto":
-            import torch  # deferred: stitch --help skips torch
+    loaded = _load(recipe, overrides)
+    out = out or Path("runs") / loaded.name / "data"
+    if device == "auto":
+        import torch  # deferred: stitch --help skips torch
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        binding = ModelBinding.for_recipe(loaded, get_host(), device="cpu")  # the tokenizer only
-        report = prepare_data(loaded, binding, out, device=device)
-    except (RecipeError, PrepareError, FeatureCacheError, RegistryLookupError) as exc:
-        console.print(f"[red]prepare failed:[/red] {exc}", highlight=False)
-        raise typer.Exit(1) from exc
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    binding = ModelBinding.for_recipe(loaded, get_host(), device="cpu")  # the tokenizer only
+    report = prepare_data(loaded, binding, out, device=device)  # a refusal leaves through the CLI's error boundary
     table = wrapping_table(f"prepare {loaded.name} -> {out}", "field", "value")
     table.add_row("rows", ", ".join(f"{k}={v}" for k, v in report.rows.items()))
     table.add_row("scanned / skipped", f"{report.rows_scanned} / {len(report.skipped)}")

@@ -21,6 +21,7 @@ from stitch.config.data import BuiltinSource, DataConfig, DataSource, HubSource,
 from stitch.config.describe import format_validation_error, short_repr
 from stitch.config.options import StageOptions
 from stitch.config.schema import DEFAULT_TASK, ParallelConfig, RecipeFile, TaskConfig, declared_stages
+from stitch.config.yaml_io import read_yaml_file
 from stitch.plugins.registry import Registry
 from stitch.plugins.specs import RecipeSpec
 
@@ -159,10 +160,7 @@ def load_recipe(name_or_path: str | Path, registry: Registry | None = None, *,
                           f"registry of recipes (load_recipe(name, host))")
     else:
         path = Path(registry.get("recipes", str(name_or_path)).path)
-    try:
-        mapping = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe {str(path)!r} is not valid YAML: {exc}") from exc
+    mapping = read_yaml_file(path)  # UTF-8 only; a key given twice is refused with both lines
     return parse_recipe(mapping, path=path, overrides=overrides)
 
 

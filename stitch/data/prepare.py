@@ -16,14 +16,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stitch.config.data import BuiltinSource
+from stitch.config.data import BuiltinSource, LocalSource
 from stitch.config.recipe import Recipe
 from stitch.data.feature_cache import (
     CACHE_DIRNAME,
@@ -69,6 +68,8 @@ from stitch.kernels.prepare_workers import (
 )
 from stitch.plugins.specs import EncoderSpec
 from stitch.runs.atomic import write_text_atomic
+from stitch.runs.cleanup import leave_as_found
+from stitch.runs.diskspace import check_free_space, named_when_full
 from stitch.runs.lock import RunLock
 from stitch.runs.progress import progress
 
@@ -101,8 +102,7 @@ class PrepareReport:
     worker_seconds: dict[str, float] = field(default_factory=dict)
     # seconds of the encode thread, which encodes a shard while the main thread gathers the next (ENCODE_PHASES)
     encode_seconds: dict[str, float] = field(default_factory=dict)
-    # how the decode workers' stacked media reached this process, in chunks: written into a shared slot mapped once
-    # per run, or as a shared-memory segment of its own (no slot free or none fits, or no item shape declared)
+    # chunks of decoded media by how they reached this process: a shared slot mapped once, or a segment of their own
     media_chunks: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -256,12 +256,12 @@ class _Preparation:
                 if self.rows_scanned >= self.data.scan_cap
                 else "the end of the dataset"
             )
-            skips = f" Skipped by reason: {describe_skips(self.skipped)}." if self.skipped else ""
+            skips = (f" Skipped by reason: {describe_skips(self.skipped)}. Every skipped row and its reason: "
+                     f"{self.out_dir / REPORT_NAME}." if self.skipped else "")
             raise PrepareError(
                 f"found {ordinal} valid rows before {limit} ({self.rows_scanned} scanned, {len(self.skipped)} "
-                f"skipped); partitions {short} need {needed}.{skips} Every skipped row and its "
-                f"reason: {self.out_dir / REPORT_NAME}. Raise data.scan_cap, use a larger source, fix the rows, "
-                f"or shrink the partitions"
+                f"skipped); partitions {short} need {needed}.{skips} Raise data.scan_cap, use a larger source, fix "
+                f"the rows, or shrink the partitions"
             )
 
     # -- shards ----------------------------------------------------------------------------------------
@@ -318,7 +318,8 @@ class _Preparation:
         for row in rows:
             row.media = []  # the decoded items are no longer needed (a shared slot is free once its views are gone)
         assert self.writer is not None
-        return self.writer.submit(write_shard, path, features, {**self.identity, "items": n_items})
+        check_free_space(path, features.nbytes, f"feature shard {path.name}")  # before any byte of it is written
+        return self.writer.submit(_write_shard_named, path, features, {**self.identity, "items": n_items})
 
     def advance(self, bar: Any, rows: int) -> None:
         with self._bar:
@@ -389,7 +390,8 @@ class _Preparation:
             with self.clock("stream_open"):
                 stream = open_stream(self.data.source, tmp / "datasets", self.builtin)
                 stream = raw_media_stream(stream, self.data.columns.media)
-            with open(manifest_tmp, "w", encoding="utf-8") as manifest, _progress(selected, self.progress) as bar:
+            bar_of = progress(selected, "prepare", enabled=self.progress, unit="row", leave=False)
+            with open(manifest_tmp, "w", encoding="utf-8") as manifest, bar_of as bar:
                 for shard_rows in self.shards(self.valid_rows(stream, self.decoding)):
                     if not self.shards_encoded + self.shards_reused:
                         self.frozen.settle()  # the stream's imports (datasets) frozen, collection back on
@@ -400,7 +402,9 @@ class _Preparation:
                 self.record(manifest)
             self.check_transient(tmp)
             os.replace(manifest_tmp, manifest_path)
-        except PrepareError as exc:  # the report says what was scanned and skipped, also when preparation fails
+        except PrepareError as exc:  # the report lists every skipped row: the one file a refusal leaves behind
+            if not self.skipped:
+                raise
             write_text_atomic(self.out_dir / REPORT_NAME, _json_text({
                 "out_dir": str(self.out_dir), "complete": False, "error": str(exc), "rows_scanned": self.rows_scanned,
                 "skipped": self.skipped, "skipped_by_reason": skipped_by_reason(self.skipped, first=len(self.skipped)),
@@ -447,14 +451,14 @@ class _Preparation:
         return report
 
 
+def _write_shard_named(path: Path, features: torch.Tensor, metadata: Mapping[str, Any]) -> str:
+    """``write_shard``, a full disk named with the shard and its size (its temp file is removed by it)."""
+    with named_when_full(path, features.nbytes, f"feature shard {path.name}"):
+        return write_shard(path, features, metadata)
+
+
 def _json_text(payload: Any) -> str:
     return json.dumps(payload, indent=2) + "\n"
-
-
-@contextmanager
-def _progress(total: int, enabled: bool) -> Iterator[Any]:
-    with progress(total, "prepare", enabled=enabled, unit="row", leave=False) as bar:
-        yield bar
 
 
 def prepare(
@@ -477,12 +481,20 @@ def prepare(
     is loaded on first need). Shards already in the cache are reused; once the new manifest is in place, shards it
     does not reference are deleted. One preparation per ``out_dir`` at a time: a second is refused (``RunLock``).
     """
+    source = recipe.data.source
+    if isinstance(source, LocalSource) and not source.path.exists():  # before the encoder or any worker loads
+        raise PrepareError(f"data.source.path {str(source.path)!r} does not exist")
     clock = PhaseClock()
     with clock("tokenizer_load"):
         prompts = PromptCheck(recipe, tokenizer, sentinel_ids, encoder_spec.tokens_per_item)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with RunLock(out, "prepare"), ObjectsFrozen() as frozen:
-        with clock("startup"):
-            run = _Preparation(recipe, out, encoder_spec, encoder, device, progress, prompts, clock, frozen, builtin)
-        return run.run()
+    # a refusal or failure leaves ``out`` as it was found (the report of skipped rows it points to aside); a killed
+    # run's finished shards stay for the next run to reuse
+    with leave_as_found(out, keep=(REPORT_NAME,)):
+        out.mkdir(parents=True, exist_ok=True)
+        with RunLock(out, "prepare"), ObjectsFrozen() as frozen:
+            with clock("startup"):
+                run = _Preparation(recipe, out, encoder_spec, encoder, device, progress, prompts, clock, frozen,
+                                   builtin)
+            with named_when_full(out, 0, f"the prepared data in {out}"):  # the manifest and report writes
+                return run.run()

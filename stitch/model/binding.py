@@ -258,6 +258,9 @@ class ModelBinding:
         model.lm.save_pretrained(str(step_dir / "adapter"), safe_serialization=True, state_dict=lm_state)
         # the warm-start gate compares target sets: the resolved one must be what the model plugin asked for
         cfg = json.loads((step_dir / "adapter" / "adapter_config.json").read_text())
+        if isinstance(cfg.get("target_modules"), list):  # peft writes a set in hash order: bytes varied per process
+            cfg["target_modules"] = sorted(cfg["target_modules"])
+            (step_dir / "adapter" / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         resolved = resolved_lora_targets(model.lm)
         configured = set(cfg.get("target_modules") or [])
         if configured and resolved != {t.split(".")[-1] for t in configured} and resolved != configured:

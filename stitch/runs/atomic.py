@@ -1,6 +1,6 @@
 """Writing a small text file so that a reader never sees half of it: a temp file beside it, fsynced, renamed.
 
-It imports nothing of stitch's, so any module can use it (``stitch.model.snapshots`` sits below
+It imports only ``stitch.runs.diskspace`` (which imports nothing of stitch's), so any module can use it (``stitch.model.snapshots`` sits below
 ``stitch.runs.checkpoint`` in the import graph and writes its index JSON through it too)."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import os
 import re
 import tempfile
 from pathlib import Path
+
+from stitch.runs.diskspace import named_when_full
 
 _TEMP_SUFFIX = re.compile(r"[a-z0-9_]{8}")  # what tempfile.mkstemp adds after the prefix
 
@@ -25,11 +27,12 @@ def write_text_atomic(path: Path, text: str) -> None:
             stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=prefix, dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as fh:
+        with named_when_full(path, len(text.encode()), path.name), os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        with named_when_full(path, len(text.encode()), path.name):
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -32,6 +32,21 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _held_elsewhere(path: Path) -> bool:
+    """Another process holds the flock on ``path``: a shared try-lock fails against its exclusive one."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the shared lock this probe took
+    return False
+
+
 class RunLock:
     """``with RunLock(out_dir, "train sft"):`` holds the run directory for this process (re-entrant per process)."""
 
@@ -48,6 +63,7 @@ class RunLock:
         if RunLock._held.get(key):
             RunLock._held[key] += 1
             return self
+        self._refuse_nested_holder()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         record = {"pid": os.getpid(), "host": socket.gethostname(), "what": self.what, "since": time.time()}
         for _ in range(20):
@@ -73,18 +89,33 @@ class RunLock:
         RunLock._held[key] = 1
         return self
 
-    def _refusal(self) -> RunLockedError:
+    def _refusal(self, path: Path | None = None) -> RunLockedError:
+        path = path or self.path
         owner = None
         for _ in range(20):  # the holder writes its record just after it takes the lock
-            owner = _read(self.path)
+            owner = _read(path)
             if owner is not None:
                 break
             time.sleep(0.05)
         owner = owner or {}
+        held = "" if path == self.path else f" (through {path.parent}, which holds it)"
         return RunLockedError(
-            f"run directory {self.run_dir} is in use by pid {owner.get('pid', '?')} on {owner.get('host', '?')} "
-            f"({owner.get('what') or 'stitch'}); wait for it to finish or use another --out (a killed process's "
-            f"lock ends with it)")
+            f"run directory {self.run_dir} is in use{held} by pid {owner.get('pid', '?')} on "
+            f"{owner.get('host', '?')} ({owner.get('what') or 'stitch'}); wait for it to finish or use another "
+            f"--out (a killed process's lock ends with it)")
+
+    def _refuse_nested_holder(self) -> None:
+        """A writer under a held run directory (``prepare --out RUN/data`` while ``train`` holds RUN), or over one
+        (``train`` on RUN while ``prepare`` holds RUN/data), is refused like a second writer of the same one."""
+        resolved = self.run_dir.resolve()
+        others = [d / LOCK_NAME for d in resolved.parents]
+        if resolved.is_dir():
+            others += list(resolved.glob(f"*/{LOCK_NAME}"))
+        for other in others:
+            if other in RunLock._held or not other.is_file():
+                continue  # this process holds it (``stitch run`` preparing its own data), or nobody does
+            if _held_elsewhere(other):
+                raise self._refusal(other)
 
     def __exit__(self, *exc: object) -> None:
         key = self.path.resolve()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import resource
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,6 +12,13 @@ from typing import Any, Protocol
 import torch
 
 from stitch.runs.atomic import write_text_atomic
+from stitch.runs.diskspace import named_when_full
+
+log = logging.getLogger("stitch")
+
+
+class MetricsLogError(ValueError):
+    """A metrics line that is not JSON before the log's last line; the message names the file and the line."""
 
 
 class MetricsSink(Protocol):
@@ -29,19 +37,22 @@ class MetricsLog:
         self.sinks = tuple(sinks)
 
     def truncate_after(self, step: int) -> None:
+        """Keep the lines up to ``step``. A torn last line (a process killed mid-write, past LATEST) is dropped and
+        said so in one log line: the step it belonged to is redone."""
         if not self.path.exists():
             return
+        records = self._parse(torn_tail_ok=True)
         # a run that stopped at ``step`` (--max-steps) logged its final evaluation there; the resumed run logs its own
-        keep = [line for line in self.path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= step and not json.loads(line).get("final")]
-        write_text_atomic(self.path, "".join(line + "\n" for line in keep))
+        keep = [r for r in records if r["step"] <= step and not r.get("final")]
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def reset(self) -> None:
         self.path.unlink(missing_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        with named_when_full(self.path, len(line), f"a metrics line of {self.path.name}"), self.path.open("a") as fh:
+            fh.write(line)
             fh.flush()
         for sink in self.sinks:
             sink.write(record)
@@ -49,7 +60,25 @@ class MetricsLog:
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        return self._parse(torn_tail_ok=False)
+
+    def _parse(self, torn_tail_ok: bool) -> list[dict[str, Any]]:
+        text = self.path.read_bytes().decode("utf-8", errors="replace")
+        lines = text.split("\n")
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                if torn_tail_ok and number == len(lines):  # no newline after it: the write never finished
+                    log.warning("%s: dropped its torn last line %d (a killed write past the checkpoint; that step "
+                                "is redone)", self.path, number)
+                    continue
+                raise MetricsLogError(f"{self.path}: line {number} is not a JSON record ({exc}); expected one "
+                                      f"object per line") from None
+        return records
 
 
 def peak_memory_bytes() -> int:

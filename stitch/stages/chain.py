@@ -17,12 +17,13 @@ from typing import Any
 from stitch.config.options import STAGE_OPTIONS
 from stitch.config.recipe import Recipe
 from stitch.data.feature_cache import PreparedData
-from stitch.data.prepare import PrepareReport, prepare
+from stitch.data.prepare import REPORT_NAME, PrepareReport, prepare
 from stitch.demo.data import builtin_parquet
 from stitch.model.binding import ModelBinding
 from stitch.plugins.registry import Registry
 from stitch.rollout.prompts import payload_for
 from stitch.runs.atomic import write_text_atomic
+from stitch.runs.cleanup import CreatedPaths, leave_as_found
 from stitch.runs.environment import environment
 from stitch.runs.lock import RunLock
 from stitch.serve.inference import Stitched
@@ -49,8 +50,10 @@ def run_chain(recipe: Recipe, out_dir: Path, *, registry: Registry, stages: tupl
     final_stage, evaluation, inference, seconds, plots``; see ``evaluate_final`` for ``evaluation`` and
     ``inference``.
     """
-    with RunLock(Path(out_dir), "run"):  # one process per run directory; the stages below re-enter it
-        return _run_chain(recipe, registry, Path(out_dir), stages, resume, progress, zeroed_control)
+    # a refusal before the data is prepared leaves OUT as it was found (prepare's report of skipped rows aside)
+    with leave_as_found(Path(out_dir), keep=(REPORT_NAME,)) as created, RunLock(Path(out_dir), "run"):
+        # one process per run directory; the stages below re-enter it
+        return _run_chain(recipe, registry, Path(out_dir), stages, resume, progress, zeroed_control, created)
 
 
 def prepare_data(recipe: Recipe, binding: ModelBinding, out_dir: Path, *, encoder: Any = None, device: str = "cpu",
@@ -63,7 +66,7 @@ def prepare_data(recipe: Recipe, binding: ModelBinding, out_dir: Path, *, encode
 
 
 def _run_chain(recipe: Recipe, registry: Registry, out_dir: Path, stages: tuple[str, ...], resume: bool,
-               progress: bool, zeroed_control: bool) -> dict[str, Any]:
+               progress: bool, zeroed_control: bool, created: CreatedPaths) -> dict[str, Any]:
     task = check_task(recipe, registry)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"recipe": recipe.name, "model": recipe.model, "encoder": recipe.encoder,
@@ -73,6 +76,7 @@ def _run_chain(recipe: Recipe, registry: Registry, out_dir: Path, stages: tuple[
     binding = ModelBinding.for_recipe(recipe, registry, device="cpu")  # the tokenizer only: no weights load
     report = prepare_data(recipe, binding, out_dir / "data", progress=progress)
     summary["stages"]["prepare"] = {**_jsonable(report), "seconds": round(time.perf_counter() - t, 2)}
+    created.commit()  # prepared data is a result: a later stage's failure keeps it for the re-run to reuse
     for stage in STAGES:  # the stage table's order
         if stage not in recipe.stages or stage not in stages:
             continue

@@ -31,6 +31,8 @@ from stitch.runs.checkpoint import (
     latest_step_dir,
     load_step_state,
     save_step,
+    seed_all,
+    sweep_partial_steps,
     verify_checksums,
     write_text_atomic,
 )
@@ -39,6 +41,7 @@ from stitch.runs.layout import RunLayout
 from stitch.runs.lock import RunLock
 from stitch.runs.metrics import MetricsLog, peak_memory_bytes
 from stitch.runs.progress import progress
+from stitch.runs.resume import RECIPE_NAME, check_resumable, data_digest
 from stitch.runs.trackers import TrackerSet, check_trackers, open_trackers
 from stitch.stages.distributed import DataParallel, launch_rank, launch_world_size
 from stitch.stages.evaluation import evaluate_accuracy
@@ -248,16 +251,21 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
                           f"{[s for s, e in STAGES.items() if e.data_parallel]} run data parallel under torchrun; "
                           f"start `stitch train {name}` without torchrun")
     dp = DataParallel.from_env() if entry.data_parallel else DataParallel()
-    torch.manual_seed(opts.seed)
+    seed_all(opts.seed)  # torch, python and numpy: a fresh run's generators depend on the seed alone
     session = StitchSession.open(recipe, out_dir, registry, dtype=getattr(torch, opts.dtype), device=dp.device)
     ctx = StageContext(recipe, name, opts, runner, session, dp, cleanup, progress=progress)
+    if dp.is_main:
+        sweep_partial_steps(ctx.checkpoints)  # a killed checkpoint write's temp dir (we hold the run's lock)
     if resume:
         ctx.resume_from = latest_step_dir(ctx.checkpoints)
         if ctx.resume_from is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {ctx.checkpoints} (no LATEST)")
+        verify_checksums(ctx.resume_from)  # before any of its files is read
+        check_resumable(ctx.resume_from, _resolved_yaml(recipe), getattr(recipe, "digest", ""),
+                        ctx.layout.manifest)
     ctx.warm_start = warm_start_source(session, entry, opts)  # the gate runs before any model weights load
-    if dp.is_main and hasattr(recipe, "resolved_yaml"):
-        text = recipe.resolved_yaml() if callable(recipe.resolved_yaml) else recipe.resolved_yaml
+    text = _resolved_yaml(recipe)
+    if dp.is_main and text is not None:
         write_text_atomic(ctx.layout.recipe, text)
     if dp.is_main and opts.report_to:
         ctx.trackers = cleanup.enter_context(open_trackers(
@@ -289,6 +297,11 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
 def tracker_config(opts: StageOptions) -> dict[str, Any]:
     """The stage's scalar options, as the parameters a tracker records with the run."""
     return {k: v for k, v in opts.model_dump(mode="json").items() if isinstance(v, str | int | float | bool)}
+
+
+def _resolved_yaml(recipe: Recipe) -> str | None:
+    text = getattr(recipe, "resolved_yaml", None)
+    return text() if callable(text) else text
 
 
 def warm_start_source(session: StitchSession, entry: Any, opts: Any) -> Path | None:
@@ -367,21 +380,36 @@ def save_checkpoint(ctx: StageContext) -> Path | None:
     digest, the warm-start source), then LATEST. Under FSDP every rank gathers; rank 0 writes the one-process
     layout."""
     state = {"scheduler": ctx.scheduler.state_dict(), "data": ctx.runner.state_dict(),
-             "recipe_digest": getattr(ctx.recipe, "digest", ""),
+             "recipe_digest": getattr(ctx.recipe, "digest", ""), "data_digest": data_digest(ctx.layout.manifest),
              "warm_start": str(ctx.warm_start) if ctx.warm_start else None, "environment": environment()}
-    keep = ctx.opts.keep_checkpoints
+    keep, needed = ctx.opts.keep_checkpoints, checkpoint_bytes(ctx)
+    recipe_text = _resolved_yaml(ctx.recipe)
     if not ctx.dp.active:
-        return save_step(ctx.checkpoints, ctx.step, lambda d: ctx.binding.save_trainable(ctx.model, d, ctx.name),
-                         ctx.optimizer, state, keep=keep)
+        def payload(d: Path) -> None:
+            ctx.binding.save_trainable(ctx.model, d, ctx.name)
+            if recipe_text is not None:
+                (d / RECIPE_NAME).write_text(recipe_text)
+
+        return save_step(ctx.checkpoints, ctx.step, payload, ctx.optimizer, state, keep=keep, needed=needed)
     full, optim = ctx.dp.full_trainable_state(ctx.model), ctx.dp.full_optimizer_state(ctx.optimizer)
     if not ctx.dp.is_main:
         return None
 
-    def payload(d: Path) -> None:
+    def sharded_payload(d: Path) -> None:
         ctx.binding.save_trainable(ctx.model, d, ctx.name, state=full)
         torch.save(optim, d / "optimizer.pt")
+        if recipe_text is not None:
+            (d / RECIPE_NAME).write_text(recipe_text)
 
-    return save_step(ctx.checkpoints, ctx.step, payload, None, state, keep=keep)
+    return save_step(ctx.checkpoints, ctx.step, sharded_payload, None, state, keep=keep, needed=needed)
+
+
+def checkpoint_bytes(ctx: StageContext) -> int:
+    """A step's size before it is written: the trainable weights and the optimizer's state tensors."""
+    weights = sum(p.numel() * p.element_size() for g in ctx.groups for p in g["params"])
+    moments = sum(t.numel() * t.element_size() for s in ctx.optimizer.state.values() for t in s.values()
+                  if isinstance(t, torch.Tensor))
+    return weights + moments
 
 
 def summarize(ctx: StageContext) -> dict[str, Any]:

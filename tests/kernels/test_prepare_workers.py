@@ -369,4 +369,4 @@ def test_an_encoder_answering_the_wrong_shape_stops_the_run_naming_the_rows_and_
         prepare_resolved(recipe, tmp_path / "out", host=host, progress=False)
     assert not (tmp_path / "out" / "manifest.jsonl").exists()
     assert not list((tmp_path / "out").rglob("*.safetensors"))
-    assert json.loads((tmp_path / "out" / "prepare-report.json").read_text())["complete"] is False
+    assert not (tmp_path / "out").exists()  # a refusal leaves no half-written output (no row was skipped to report)
