@@ -89,3 +89,10 @@ def quiet_library_bars(stream: TextIO | None = None) -> None:
     they are imported, as they read ``HF_HUB_DISABLE_PROGRESS_BARS`` once; a value the user set is kept."""
     if not (stream or sys.stderr).isatty():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":  # a library imported already read it: tell it
+            hub, transformers_logging = (sys.modules.get(name) for name in
+                                         ("huggingface_hub.utils", "transformers.utils.logging"))
+            if hub is not None:
+                hub.disable_progress_bars()
+            if transformers_logging is not None:
+                transformers_logging.disable_progress_bar()

@@ -68,3 +68,17 @@ def test_close_adds_no_second_line_when_the_last_interval_already_reported_the_e
     bar.update(1)
     bar.close()
     assert stream.getvalue().splitlines() == ["sft: 2/2 (31s)"]
+
+
+def test_off_a_terminal_an_already_imported_transformers_stops_drawing_its_loading_bars(monkeypatch):
+    """The CLI imports transformers before it calls quiet_library_bars: the environment variable alone is read too
+    late, so the library's own switch is turned."""
+    from transformers.utils import logging as transformers_logging
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    transformers_logging.enable_progress_bar()
+    try:
+        quiet_library_bars(io.StringIO())
+        assert not transformers_logging.is_progress_bar_enabled()
+    finally:
+        transformers_logging.enable_progress_bar()
