@@ -25,6 +25,12 @@ def causal_lm(lm: Any) -> Any:
     return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
 
 
+def cache_kwarg(lm: Any) -> str:
+    """The keyword a causal LM's forward takes its cache by: ``cache`` where transformers renamed it (newer
+    releases warn on ``past_key_values``), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(type(causal_lm(lm)).forward).parameters else "past_key_values"
+
+
 log = logging.getLogger("stitch")
 
 NAME = "stitch_varlen"

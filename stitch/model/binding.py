@@ -4,7 +4,10 @@ optional LoRA adapter) with its provenance. Stages, distributed saving and infer
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -32,6 +35,15 @@ from stitch.model.loading import (
 from stitch.model.stitched import StitchedModel
 from stitch.plugins.registry import Registry
 from stitch.plugins.specs import EncoderSpec, ModelSpec
+
+
+@contextlib.contextmanager
+def _quiet_peft_wrap() -> Iterator[None]:
+    """peft reads transformers' deprecated ``is_gradient_checkpointing`` while it wraps a model: that FutureWarning
+    is peft's to act on, not the user's, so it is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 @dataclass
@@ -163,7 +175,8 @@ class ModelBinding:
         projector = self.build_projector(hidden)
         projector.requires_grad_(train_projector)
         if adapter_from is not None:
-            lm = PeftModel.from_pretrained(lm, str(adapter_from), is_trainable=train_adapter)
+            with _quiet_peft_wrap():
+                lm = PeftModel.from_pretrained(lm, str(adapter_from), is_trainable=train_adapter)
         elif lora is not None:
             lora = lora if isinstance(lora, LoraOptions) else LoraOptions.model_validate(lora)
             config = LoraConfig(
@@ -174,7 +187,8 @@ class ModelBinding:
                 target_parameters=list(self.model_spec.lora_target_parameters) or None,
                 bias="none",
             )
-            lm = get_peft_model(lm, config)
+            with _quiet_peft_wrap():
+                lm = get_peft_model(lm, config)
         model = StitchedModel(lm, projector, self.sentinel_ids.placeholder, self.model_spec.cuda_graphs)
         if projector_from is not None:  # after StitchedModel gave a half-precision projector its fp32 master weights,
             # so a saved fp32 master loads exactly instead of rounded to the LM's dtype

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stitch.kernels.attention import causal_lm
+from stitch.kernels.attention import cache_kwarg, causal_lm
 from stitch.rollout.slot_cache import SlotCache
 
 log = logging.getLogger("stitch")
@@ -201,7 +201,7 @@ class DecodeStep:
         masks = {"full_attention": self.key_valid[:, None, None, :], "linear_attention": None}
         with self._experts():
             out = self.lm(input_ids=self.tokens, attention_mask=masks, position_ids=self.positions,
-                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                          use_cache=True, logits_to_keep=1, **{cache_kwarg(self.lm): self.cache})
         return out.logits[:, -1]
 
     def capture(self) -> bool:
@@ -311,7 +311,7 @@ class StaticDecoder:
         # 2-D mask for them)
         masks = {"full_attention": allowed[:, None], "linear_attention": mask}
         out = self.lm(inputs_embeds=embeds, attention_mask=masks, position_ids=positions,
-                      past_key_values=prompt_cache, use_cache=True, logits_to_keep=1)
+                      use_cache=True, logits_to_keep=1, **{cache_kwarg(self.lm): prompt_cache})
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         del out
         length = padded_length(width, max_new_tokens)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from stitch.kernels.attention import cache_kwarg
 from stitch.rollout.engines import left_pad, sampling_seed
 
 
@@ -167,7 +168,7 @@ class Batcher:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             position = position + 1
             out = self.lm(input_ids=torch.tensor(chosen, device=device)[:, None], attention_mask=mask,
-                          position_ids=position, past_key_values=out.past_key_values, use_cache=True)
+                          position_ids=position, use_cache=True, **{cache_kwarg(self.lm): out.past_key_values})
 
     def _advance(self, job: Job, choice: Choice, logits: torch.Tensor, tracker: TextTracker) -> int:
         """Sample ``choice``'s next token, send its new text; the token to feed next (pad once it has ended)."""
