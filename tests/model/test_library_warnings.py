@@ -27,6 +27,6 @@ def test_wrapping_with_peft_hides_only_its_is_gradient_checkpointing_deprecation
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with _quiet_peft_wrap():
-            warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
-            warnings.warn("something else", FutureWarning)
+            warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning, stacklevel=1)
+            warnings.warn("something else", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["something else"]
