@@ -67,8 +67,8 @@ def test_infer_media_is_repeatable_and_image_is_its_alias_with_the_same_answers(
     [
         ({"media": "gone.npy", "question": "q"}, "line 1: field 'media': {dir}/gone.npy does not exist"),
         ({"media": [], "question": "q"}, "line 1: field 'media': expected a file path or a non-empty list"),
-        ({"media": "x.npy", "image": "x.npy", "question": "q"}, "line 1: expected one of the fields 'media' or"),
-        ({"question": "q"}, "line 1: expected one of the fields 'media' or 'image'"),
+        ({"media": "x.npy", "image": "x.npy", "question": "q"}, "line 1: expected one of the fields 'media', 'images' or"),
+        ({"question": "q"}, "line 1: expected one of the fields 'media', 'images' or 'image'"),
     ],
     ids=["missing-file", "empty-list", "both-keys", "no-media"],
 )

@@ -80,7 +80,7 @@ def test_stitch_imports_have_no_circles():
 
 
 # setup (seed, optimizer, scheduler), resume, progress, log, clip, save, summary
-SKELETON = ("manual_seed", "AdamW", "LambdaLR", "load_step_state", "latest_step_dir", "progress(", "MetricsLog",
+SKELETON = ("seed_all(", "AdamW", "LambdaLR", "load_step_state", "latest_step_dir", "progress(", "MetricsLog",
             "clip_grad_norm", "save_step", "write_text_atomic", "layout.summary(")
 
 

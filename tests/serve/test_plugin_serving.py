@@ -28,15 +28,34 @@ PACKAGE = "stitch_probe_wave"
 HAS_HATCHLING = importlib.util.find_spec("hatchling") is not None
 
 
+# The scaffold's demo recipe with enough data and steps to learn: 240 signals written by the plugin's own
+# demo_data.py, the pretrained qwen3.5-demo LM, 90 SFT steps (about 1.5 minutes on 2 cores).
+RECIPE = f"""\
+name: {MODALITY}-learns
+model: qwen3.5-demo
+encoder: {MODALITY}-encoder
+projector: mlp2x_gelu
+task: counting
+data:
+  source: {{path: data/train.jsonl, format: json}}
+  columns: {{id: id, media: {MODALITY}, question: question, answer: answer}}
+  partitions: {{alignment: [0, 40], train: [40, 200], eval: [200, 240]}}
+  scan_cap: 240
+  budgets: {{transient_mib: 256, retained_mib: 64}}
+  on_corrupt: error
+  feature_dtype: float32
+stages:
+  alignment: {{partition: alignment, eval_partition: null, steps: 10, batch_size: 4, lr_projector: 1.0e-3}}
+  sft: {{partition: train, eval_partition: eval, eval_rows: 40, steps: 90, batch_size: 8,
+        lr_projector: 3.0e-3, lr_adapter: 3.0e-3, lora: {{r: 8, alpha: 16}}}}
+"""
+
+
 def _declare_input_audio(encoder_py: Path) -> None:
     """The plugin author's one edit: the encoder takes its signals as ``input_audio`` content parts."""
     text = encoder_py.read_text()
-    declared = 'content_parts=("input_audio",),'
-    if re.search(r"content_parts=\([^)]*\),", text):
-        patched = re.sub(r"content_parts=\([^)]*\),", declared, text, count=1)
-    else:
-        patched = text.replace("    decode_item=decode_item,\n", f"    decode_item=decode_item,\n    {declared}\n", 1)
-    assert declared in patched, "the rendered encoder.py has no EncoderSpec(...) to declare content parts in"
+    patched, count = re.subn(r"^CONTENT_PARTS = \(.*\)$", 'CONTENT_PARTS = ("input_audio",)', text, flags=re.M)
+    assert count == 1, "the rendered encoder.py has no CONTENT_PARTS = (...) line to declare content parts in"
     encoder_py.write_text(patched)
 
 
@@ -73,14 +92,20 @@ def test_a_scaffolded_audio_plugin_answers_input_audio_parts_through_serve_as_in
     project = render_plugin(tmp_path / "out", MODALITY)
     _declare_input_audio(project / "src" / PACKAGE / "encoder.py")
     env = _install(project, tmp_path / "site")
+    package = project / "src" / PACKAGE
+    subprocess.run([sys.executable, str(package / "demo_data.py"), "--rows", "240", "--out", str(tmp_path / "data")],
+                   check=True, capture_output=True, timeout=120)
+    recipe = tmp_path / "learns.yaml"
+    recipe.write_text(RECIPE)
     run = tmp_path / "run"
-    subprocess.run(cli("run", f"{MODALITY}-demo", "--out", str(run)), check=True, capture_output=True, env=env,
-                   timeout=1200)
+    trained = subprocess.run(cli("run", str(recipe), "--out", str(run)), capture_output=True, text=True, env=env,
+                             timeout=1200)
+    assert trained.returncode == 0, trained.stderr[-3000:]
     evaluation = json.loads((run / "summary.json").read_text())["evaluation"]
     # the signal carries the answer: the trained model beats itself with its features zeroed
-    assert evaluation["accuracy"] > evaluation["zeroed_features_accuracy"] + 0.2, evaluation
-    checkpoints = next(run / s / "checkpoints" for s in ("grpo", "dpo", "sft") if (run / s / "checkpoints").is_dir())
-    signal = project / "src" / PACKAGE / "recipes" / "data" / "items" / "s032.npy"
+    assert evaluation["rows"] == 40 and evaluation["accuracy"] > evaluation["zeroed_features_accuracy"] + 0.2, evaluation
+    checkpoints = run / "sft" / "checkpoints"
+    signal = tmp_path / "data" / "items" / "s232.npy"  # an eval row
     question = "How many cycles does this signal go through?"
     infer = subprocess.run(cli("infer", "--adapter", str(checkpoints), "--media", str(signal), "--question", question,
                                "--max-new-tokens", "8"), check=True, capture_output=True, text=True, env=env)
