@@ -176,11 +176,19 @@ def clip_geometry(processor: Any) -> ClipGeometry | None:
     return ClipGeometry(int(edge), (int(crop["height"]), int(crop["width"])), int(processor.resample))
 
 
+def clip_processor_class() -> type:
+    """``CLIPImageProcessor`` as transformers resolves it: its PIL backend when torchvision is missing. Named
+    directly, because reading ``transformers.CLIPImageProcessor`` without torchvision prints a fallback warning."""
+    import transformers  # deferred: plugin loading skips transformers
+
+    if importlib.util.find_spec("torchvision") is None:
+        return transformers.CLIPImageProcessorPil
+    return transformers.CLIPImageProcessor
+
+
 def load_clip_preprocess(source: ModelSource) -> ClipGeometry | None:
     """The snapshot's preprocessing for prepare's workers; reads only its processor config, never the weights."""
-    from transformers import CLIPImageProcessor  # deferred: plugin loading skips transformers
-
-    return clip_geometry(CLIPImageProcessor.from_pretrained(**source.pretrained_kwargs()))
+    return clip_geometry(clip_processor_class().from_pretrained(**source.pretrained_kwargs()))
 
 
 class ClipImageEncoder:
@@ -300,17 +308,14 @@ class ClipImageEncoder:
 
 def load_clip(source: ModelSource, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
               feature_width: int = FEATURE_WIDTH):
-    from transformers import (  # deferred: plugin loading skips transformers
-        CLIPImageProcessor,
-        CLIPVisionModel,
-    )
+    from transformers import CLIPVisionModel  # deferred: plugin loading skips transformers
 
     kwargs = source.pretrained_kwargs()
     # stitch_vit: a Triton kernel for the tower's 50-token rows on a GPU in half precision, transformers' sdpa
     # elsewhere; both give eager attention's features (tests/data/test_prepare_fast.py,
     # tests/first_party/test_vit_attention.py)
     model = CLIPVisionModel.from_pretrained(**kwargs, use_safetensors=True, attn_implementation=register())
-    processor = CLIPImageProcessor.from_pretrained(**kwargs)
+    processor = clip_processor_class().from_pretrained(**kwargs)
     return ClipImageEncoder(model, processor, torch.device(device), dtype, feature_width)
 
 
@@ -320,11 +325,7 @@ def load_demo_clip(source: ModelSource, device: str | torch.device = "cpu", dtyp
 
 def build_tiny_clip(out_dir: Path, width: int = FEATURE_WIDTH) -> None:
     """A random-init CLIPVisionModel snapshot (2 layers) with ViT-B/32's 49-token grid, ``width`` wide."""
-    from transformers import (  # deferred: plugin loading skips transformers
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        CLIPVisionModel,
-    )
+    from transformers import CLIPVisionConfig, CLIPVisionModel  # deferred: plugin loading skips transformers
 
     torch.manual_seed(0)
     config = CLIPVisionConfig(
@@ -338,7 +339,7 @@ def build_tiny_clip(out_dir: Path, width: int = FEATURE_WIDTH) -> None:
     )
     CLIPVisionModel(config).save_pretrained(out_dir, safe_serialization=True)
     # CLIP's own preprocessing: shortest edge 224, center crop, CLIP mean/std
-    CLIPImageProcessor(
+    clip_processor_class()(
         size={"shortest_edge": 224},
         crop_size={"height": 224, "width": 224},
         image_mean=[0.48145466, 0.4578275, 0.40821073],
