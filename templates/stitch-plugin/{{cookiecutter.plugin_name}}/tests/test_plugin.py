@@ -248,5 +248,6 @@ def test_stitch_run_trains_the_demo_recipe_end_to_end(tmp_path):
         capture_output=True, text=True, env=plain_env(), timeout=600,
     )
     assert infer.returncode == 0, infer.stderr[-3000:]
-    assert "checkpoint:" in infer.stderr and infer.stdout.endswith("\n")  # an answer: any text after a few steps
+    # an answer: any text after a few steps
+    assert "checkpoint:" in infer.stderr and infer.stdout.endswith("\n")
 
