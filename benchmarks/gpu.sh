@@ -38,6 +38,11 @@ for pyproject in [pathlib.Path("pyproject.toml"), *sorted(pathlib.Path("plugins"
         f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for group, eps in groups.items()))
 PY
 export PYTHONPATH=$SITE:.
+# fla's Triton autotuning results from earlier calls, when carried (.whl/triton_autotune.tar.xz): a fresh machine
+# otherwise spends minutes tuning the same kernels again; this call's results come back in $OUT to merge into it
+export TRITON_CACHE_AUTOTUNING=1
+mkdir -p ~/.triton/cache
+[ -f .whl/triton_autotune.tar.xz ] && tar xJf .whl/triton_autotune.tar.xz -C ~/.triton/cache
 python3 -c "import importlib.util as u, torch, triton; print('triton', triton.__version__, 'fla', bool(u.find_spec('fla')), torch.cuda.get_device_name())"
 rc=0
 for suite in "${suites[@]}"; do
@@ -46,5 +51,6 @@ for suite in "${suites[@]}"; do
     2>&1 | tee "$OUT/$suite.log" | grep -v "it/s]$" | tail -20
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 done
+(cd ~/.triton/cache && find . -name '*.autotune.json' | tar cJf "$OUT/triton_autotune.tar.xz" -T -)
 ls -la "$OUT"
 exit $rc

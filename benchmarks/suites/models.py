@@ -157,14 +157,19 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if not args.skip_stock:
-        lm, tok = stock_lm(snapshot, spec, lora, settings, shape.dtype)
-        stock = stock_sft(lm, tok, data, settings, args)
-        sft.update(stock_tokens_per_s=stock["tokens_per_s"], stock_peak_gib=stock["peak_gib"],
-                   vs_stock=round(stitch_tps / stock["tokens_per_s"], 3),
-                   stock_mfu_6n=mfu(flops, stock["tokens_per_s"])["mfu_6n"])
-        log(f"{name} stock sft: {json.dumps(stock)}")
-        grpo["generate_tokens_per_s"] = stock_generate(lm, tok, prompts * group, new_tokens, args)
-        del lm
+        sft["allocated_gib_before_stock"] = allocated_gib()
+        try:  # stock's failure (out of memory, say) is recorded beside stitch's figures, not in place of them
+            lm, tok = stock_lm(snapshot, spec, lora, settings, shape.dtype)
+            stock = stock_sft(lm, tok, data, settings, args)
+            sft.update(stock_tokens_per_s=stock["tokens_per_s"], stock_peak_gib=stock["peak_gib"],
+                       vs_stock=round(stitch_tps / stock["tokens_per_s"], 3),
+                       stock_mfu_6n=mfu(flops, stock["tokens_per_s"])["mfu_6n"])
+            log(f"{name} stock sft: {json.dumps(stock)}")
+            grpo["generate_tokens_per_s"] = stock_generate(lm, tok, prompts * group, new_tokens, args)
+        except torch.OutOfMemoryError as exc:
+            sft["stock_error"] = f"OutOfMemoryError: {str(exc)[:300]}"
+            log(f"{name} stock: {sft['stock_error']}")
+        lm = tok = None
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if grpo.get("generate_tokens_per_s") and grpo.get("rollout_tokens_per_s"):

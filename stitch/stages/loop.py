@@ -23,6 +23,7 @@ import torch
 from stitch.config.options import STAGE_OPTIONS, StageOptions
 from stitch.config.recipe import Recipe, RecipeError
 from stitch.config.validate import check_launch
+from stitch.kernels.graphs import drop_graphs
 from stitch.model.binding import ModelBinding
 from stitch.model.checkpointing import checkpoint_layers
 from stitch.model.provenance import check_warm_start
@@ -282,6 +283,9 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
     else:
         model = session.binding.build_model(**args)
     ctx.model = model
+    # a captured block's graph holds its module, so the model outlives the stage unless its graphs go: a chain's
+    # next stage (SFT, then GRPO in one process) would start with this one's weights and graph pools still held
+    cleanup.callback(drop_graphs, model)
     checkpoint_layers(model, opts.activation_checkpointing, f"stages.{name}.activation_checkpointing")
     audit_gradients(model, ctx.allowed)
     for group in ctx.allowed:  # one parameter group per component, each with its own learning rate
