@@ -154,6 +154,8 @@ def serve(
     max_image_pixels: int = typer.Option(40_000_000, "--max-image-pixels", help="Refuse larger images (400)."),
     max_request_mib: float = typer.Option(32, "--max-request-mib", help="Refuse larger request bodies (413)."),
     max_batch: int = typer.Option(32, "--max-batch", help="Most sequences decoded together in one batch."),
+    batch_wait_ms: float = typer.Option(0, "--batch-wait-ms", min=0,
+                                        help="How long a batch's first request waits for others to join it."),
     request_timeout: float = typer.Option(600, "--request-timeout", help="Seconds a generation may take (504)."),
     header_timeout: float = typer.Option(10, "--header-timeout",
                                          help="Seconds a connection may stay open without sending request headers."),
@@ -172,6 +174,7 @@ def serve(
 
     limits = ServeLimits(max_request_bytes=int(max_request_mib * 2**20), header_timeout_s=header_timeout,
                          body_timeout_s=body_timeout, request_timeout_s=request_timeout, max_batch_rows=max_batch,
+                         batch_wait_s=batch_wait_ms / 1000,
                          chat=Limits(max_image_pixels=max_image_pixels))
     run_server(_checkpoint_of(checkpoint), get_host(), host=host, port=port, model_name=model_name, limits=limits,
                ready=lambda url: console.print(f"serving at {url}", highlight=False))

@@ -8,6 +8,7 @@ import collections
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,9 +112,10 @@ class Batcher:
     """Decodes jobs in batches on ``lm`` in a thread of its own; ``submit`` is thread-safe."""
 
     def __init__(self, lm: Any, tokenizer: Any, eos_id: int, pad_id: int, suppress_ids: Sequence[int],
-                 max_rows: int = 32) -> None:
+                 max_rows: int = 32, wait_s: float = 0.0) -> None:
         self.lm, self.tokenizer = lm, tokenizer
         self.eos_id, self.pad_id, self.max_rows = eos_id, pad_id, max_rows
+        self.wait_s = wait_s  # how long a batch's first request waits for others to join it
         self.suppress = torch.tensor(list(suppress_ids), dtype=torch.long)
         self.waiting: queue.Queue[Job] = queue.Queue()
         self.batch_count = 0
@@ -128,9 +130,11 @@ class Batcher:
         while True:
             jobs = [self.waiting.get()]
             rows = len(jobs[0].choices)
+            deadline = time.monotonic() + self.wait_s
             while rows < self.max_rows:
                 try:
-                    job = self.waiting.get_nowait()
+                    job = self.waiting.get(timeout=max(deadline - time.monotonic(), 0)) if self.wait_s else \
+                        self.waiting.get_nowait()
                 except queue.Empty:
                     break
                 jobs.append(job)

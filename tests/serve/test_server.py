@@ -29,6 +29,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 MAX_REQUEST_MIB = 1
 HEADER_TIMEOUT_S = 2
 BODY_TIMEOUT_S = 2
+BATCH_WAIT_MS = 500  # concurrent clients join one batch even when this machine is slow to take their requests
 
 
 def _free_port() -> int:
@@ -59,7 +60,7 @@ def server(sft_run):
     proc = subprocess.Popen(
         cli("serve", str(sft_run), "--port", str(port), "--model-name", "tiny", "--max-image-pixels", "250000",
             "--max-request-mib", str(MAX_REQUEST_MIB), "--header-timeout", str(HEADER_TIMEOUT_S),
-            "--body-timeout", str(BODY_TIMEOUT_S)),
+            "--body-timeout", str(BODY_TIMEOUT_S), "--batch-wait-ms", str(BATCH_WAIT_MS)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     deadline = time.monotonic() + 240
     while True:
