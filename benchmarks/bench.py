@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS_DIR, log, write_result, write_table  # noqa: E402
+from benchmarks.common import RESULTS_DIR, log, record_memory_at_oom, write_result, write_table  # noqa: E402
 from benchmarks.suites import SUITES  # noqa: E402
 
 
@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--warmup", type=int, default=3, help="steps run before the timed ones")
         p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where SUITE.json and RESULTS.md go")
         p.add_argument("--work", type=Path, default=None, help="scratch folder for data and runs (default: a temp)")
+        p.add_argument("--memory-at-oom", action="store_true",
+                       help="record the allocator's history; at an out-of-memory write OUT/SUITE.oom_memory.txt")
         module.add_arguments(p)
     return ap
 
@@ -37,6 +39,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     module = importlib.import_module(SUITES[args.suite])
+    if args.memory_at_oom:
+        where = RESULTS_DIR.parent if args.out.resolve() == RESULTS_DIR.resolve() else args.out  # results: JSONs only
+        where.mkdir(parents=True, exist_ok=True)
+        record_memory_at_oom(where / f"{args.suite}.oom_memory.txt")
     with tempfile.TemporaryDirectory(prefix=f"stitch-bench-{args.suite}-") as tmp:
         args.work = args.work or Path(tmp)
         args.work.mkdir(parents=True, exist_ok=True)

@@ -174,3 +174,37 @@ def write_table(out_dir: Path) -> Path:
     target.write_text("\n".join(lines) + "\n")
     log(f"wrote {target}")
     return target
+
+
+def _frame_site(frames: list[dict[str, Any]], depth: int = 6) -> str:
+    """An allocation's call site: its innermost frames in stitch, its plugins and the libraries they call."""
+    keep = [f for f in frames if any(k in f["filename"] for k in ("stitch", "/fla/", "transformers/", "peft/", "liger"))]
+    return " <- ".join(f"{f['filename'].split('site-packages/')[-1]}:{f['line']}:{f['name']}" for f in keep[:depth])
+
+
+def record_memory_at_oom(path: Path) -> None:
+    """Record the CUDA allocator's history from now on; at the process's first out-of-memory, write to ``path`` the
+    live memory grouped by allocation site, then the reserved memory by pool (CUDA graph pools apart)."""
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    written: list[bool] = []
+
+    def observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+        if written:
+            return
+        written.append(True)
+        sites: dict[str, int] = {}
+        pools: dict[str, int] = {}
+        for segment in torch.cuda.memory._snapshot()["segments"]:
+            pool = str(segment.get("segment_pool_id"))
+            pools[pool] = pools.get(pool, 0) + segment["total_size"]
+            for block in segment["blocks"]:
+                if block["state"] == "active_allocated":
+                    site = _frame_site(block.get("frames", []))
+                    sites[site] = sites.get(site, 0) + block["size"]
+        lines = [f"live {sum(sites.values()) / 2**30:.2f} GiB by allocation site"]
+        lines += [f"{v / 2**30:8.2f} GiB  {k}" for k, v in sorted(sites.items(), key=lambda kv: -kv[1])[:40]]
+        lines += ["reserved by pool"]
+        lines += [f"{v / 2**30:8.2f} GiB  pool {k}" for k, v in sorted(pools.items(), key=lambda kv: -kv[1])[:20]]
+        path.write_text("\n".join(lines) + "\n")
+
+    torch._C._cuda_attach_out_of_memory_observer(observer)
