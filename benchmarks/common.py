@@ -5,6 +5,7 @@ Nothing here asserts on speed: the suites measure and write JSON; RESULTS.md and
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -192,19 +193,17 @@ def record_memory_at_oom(path: Path) -> None:
         if written:
             return
         written.append(True)
-        sites: dict[str, int] = {}
-        pools: dict[str, int] = {}
+        sites: collections.Counter[str] = collections.Counter()
+        pools: collections.Counter[str] = collections.Counter()
         for segment in torch.cuda.memory._snapshot()["segments"]:
-            pool = str(segment.get("segment_pool_id"))
-            pools[pool] = pools.get(pool, 0) + segment["total_size"]
+            pools[str(segment.get("segment_pool_id"))] += segment["total_size"]
             for block in segment["blocks"]:
                 if block["state"] == "active_allocated":
-                    site = _frame_site(block.get("frames", []))
-                    sites[site] = sites.get(site, 0) + block["size"]
+                    sites[_frame_site(block.get("frames", []))] += block["size"]
         lines = [f"live {sum(sites.values()) / 2**30:.2f} GiB by allocation site"]
-        lines += [f"{v / 2**30:8.2f} GiB  {k}" for k, v in sorted(sites.items(), key=lambda kv: -kv[1])[:40]]
+        lines += [f"{v / 2**30:8.2f} GiB  {k}" for k, v in sites.most_common(40)]
         lines += ["reserved by pool"]
-        lines += [f"{v / 2**30:8.2f} GiB  pool {k}" for k, v in sorted(pools.items(), key=lambda kv: -kv[1])[:20]]
+        lines += [f"{v / 2**30:8.2f} GiB  pool {k}" for k, v in pools.most_common(20)]
         path.write_text("\n".join(lines) + "\n")
 
     torch._C._cuda_attach_out_of_memory_observer(observer)

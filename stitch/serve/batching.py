@@ -133,8 +133,7 @@ class Batcher:
             deadline = time.monotonic() + self.wait_s
             while rows < self.max_rows:
                 try:
-                    job = self.waiting.get(timeout=max(deadline - time.monotonic(), 0)) if self.wait_s else \
-                        self.waiting.get_nowait()
+                    job = self.waiting.get(timeout=max(deadline - time.monotonic(), 0))  # 0: what is queued now
                 except queue.Empty:
                     break
                 jobs.append(job)

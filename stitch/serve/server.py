@@ -47,7 +47,7 @@ class ServedModel:
     """A loaded checkpoint as the server uses it: requests become prompt embeddings (media encoded once each, the
     conversation rendered by ``conversation_prompt_ids``), decoded by the batcher."""
 
-    def __init__(self, stitched: Stitched, model_name: str, max_batch_rows: int, batch_wait_s: float = 0.0) -> None:
+    def __init__(self, stitched: Stitched, model_name: str, limits: ServeLimits) -> None:
         self.stitched, self.model_name = stitched, model_name
         binding = stitched.binding
         self.encoder = binding.encoder_spec
@@ -55,8 +55,8 @@ class ServedModel:
         self.payload = payload_for(binding.registry, self.encoder)
         self.lock = threading.Lock()  # the encoder and the prompt embedding: one request at a time
         self.batcher = Batcher(stitched.model.lm, stitched.tokenizer, stitched.tokenizer.eos_token_id,
-                               binding.pad_id, binding.suppress_ids, max_rows=max_batch_rows,
-                               wait_s=batch_wait_s)
+                               binding.pad_id, binding.suppress_ids, max_rows=limits.max_batch_rows,
+                               wait_s=limits.batch_wait_s)
 
     def parse(self, body: Any, limits: Limits) -> ChatRequest:
         return parse_chat_request(body, self.model_name, self.encoder, self.registered, limits)
@@ -301,7 +301,7 @@ def serve(checkpoint: Path, registry: Registry, host: str = "127.0.0.1", port: i
     """Load ``checkpoint`` once (its model and encoder looked up in ``registry``) and serve it until interrupted;
     ``ready(base_url)`` is called once the model is loaded, before the socket binds."""
     stitched = Stitched(Path(checkpoint), registry)
-    served = ServedModel(stitched, model_name or stitched.model_spec.name, limits.max_batch_rows, limits.batch_wait_s)
+    served = ServedModel(stitched, model_name or stitched.model_spec.name, limits)
     protocol = type("Protocol", (GuardedH11Protocol,), {"header_timeout_s": limits.header_timeout_s})
     config = uvicorn.Config(create_app(served, limits), host=host, port=port, http=protocol, log_level="warning",
                             timeout_keep_alive=5, limit_concurrency=limits.max_connections,
