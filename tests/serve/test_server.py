@@ -136,8 +136,8 @@ def test_concurrent_clients_share_decode_steps_and_get_their_sequential_answers(
         thread.join(timeout=300)
     health = _health(server)
     batches = health["batches"] - before
-    assert answers == sequential
-    assert batches < len(requests) and max(health["recent_batch_rows"][-batches:]) > 1
+    assert answers == sequential, f"batched {answers} != sequential {sequential}"
+    assert batches < len(requests) and max(health["recent_batch_rows"][-batches:]) > 1, health["recent_batch_rows"]
 
 
 def test_n_seed_top_p_stop_and_max_tokens_follow_the_request(client):
