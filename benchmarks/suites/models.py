@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import flops_per_token, log, mfu, peak_gib, reset_peak, sync
+from benchmarks.common import commit, flops_per_token, log, mfu, peak_gib, reset_peak, sync
 from benchmarks.suites import harness
 from benchmarks.suites.real_size import active_params
 
@@ -33,12 +33,14 @@ MODELS = ("qwen3.5-4b", "nemotron-3-nano-4b", "qwen3.6-35b-a3b", "nemotron-3.5-l
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What a user runs on one H200: tokens per packed row, rows per optimizer step, rows per forward/backward."""
+    """What a user runs on one H200: tokens per packed row, rows per optimizer step, rows per forward/backward,
+    and GRPO's sequences per forward/backward (64 rollouts a step)."""
 
     budget: int = 4096
     batch: int = 4
     micro: int = 1
     checkpointing: str = "off"
+    grpo_micro: int = 8
 
 
 SETTINGS = {
@@ -63,24 +65,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tiny = args.shape == "tiny"
     names = (args.models or ("qwen3.5-4b" if tiny else ",".join(MODELS))).split(",")
-    results, rows = {}, []
+    results = earlier_models(args.out / "models.json", tiny)
     for name in names:
         try:
             result = one_model(name, args)
         except Exception as exc:  # one model's failure is a result too; the others still run
             log(f"{name}: FAILED {type(exc).__name__}: {exc}")
             result = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
-        results[name] = result
+        results[name] = {**result, "measured": measured_here()}
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    rows = []
+    for name in [m for m in MODELS if m in results] + [m for m in results if m not in MODELS]:
+        result = results[name]
         if "error" not in result:
             sft, grpo = result["sft"], result["grpo"]
             rows.append({"shape": name + (" (narrow)" if tiny else ""), "figures": {
                 "SFT tok/s": round(sft["stitch_tokens_per_s"]), "stock tok/s": _round(sft["stock_tokens_per_s"]),
                 "vs stock": sft.get("vs_stock"), "MFU 6N": sft["mfu_6n"], "MFU LoRA": sft["mfu_lora"],
                 "SFT GiB": sft["peak_gib"], "rollout tok/s": _round(grpo.get("rollout_tokens_per_s")),
-                "generate tok/s": _round(grpo["generate_tokens_per_s"]), "rollout share": grpo.get("rollout_share")}})
+                "generate tok/s": _round(grpo["generate_tokens_per_s"]), "rollout share": grpo.get("rollout_share"),
+                "on": (result.get("measured") or {}).get("gpu")}})
     return {"models": results, "rows": rows}
+
+
+def earlier_models(path: Path, tiny: bool) -> dict[str, Any]:
+    """The models an earlier call measured at the same shape and that this one does not rerun: one GPU call per
+    model fills the one models.json. Each entry keeps the commit, date and GPU it was measured on."""
+    if not path.exists():
+        return {}
+    doc = json.loads(path.read_text())
+    if (doc.get("config", {}).get("shape") == "tiny") != tiny:
+        return {}
+    return {name: result for name, result in doc.get("models", {}).items() if "measured" in result}
+
+
+def measured_here() -> dict[str, Any]:
+    """Where and when a model's figures were taken (the document's own commit is the last call's)."""
+    return {"commit": commit(), "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def allocated_gib() -> float | None:
@@ -126,7 +149,7 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "micro_batch_size": settings.micro, "token_budget": settings.budget, "lora": lora,
                 "activation_checkpointing": settings.checkpointing, "buffer_size": 256},
         "grpo": {"partition": "grpo", "steps": 1 + grpo_steps, "prompts_per_step": prompts, "group_size": group,
-                 "max_new_tokens": new_tokens, "micro_batch_size": 16, "temperature": 1.0, "lora": lora,
+                 "max_new_tokens": new_tokens, "micro_batch_size": settings.grpo_micro, "temperature": 1.0, "lora": lora,
                  "activation_checkpointing": settings.checkpointing}}
     recipe = harness.write_recipe(work, shape, data, n, stages, snapshot=snapshot)
     run_dir = work / "run"

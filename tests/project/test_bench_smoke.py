@@ -78,3 +78,18 @@ def test_the_committed_results_folder_holds_one_json_per_registered_suite_at_mos
     files = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
     assert len(files) <= 10 and all(f.endswith(".json") and f[:-5] in SUITES for f in files), files
     assert (ROOT / "benchmarks" / "RESULTS.md").is_file()
+
+
+def test_the_models_suite_keeps_the_models_an_earlier_call_measured_at_the_same_shape(tmp_path):
+    """One GPU call per model fills one models.json: a later call keeps the entries it does not rerun, each with
+    where it was measured; entries without that record, or of the other shape, are not carried."""
+    from benchmarks.suites.models import earlier_models
+
+    doc = {"config": {"shape": "dense4b"}, "models": {
+        "qwen3.5-4b": {"sft": {"stitch_tokens_per_s": 1.0}, "measured": {"commit": "abc", "gpu": "H100"}},
+        "nemotron-3-nano-4b": {"sft": {"stitch_tokens_per_s": 2.0}}}}
+    path = tmp_path / "models.json"
+    path.write_text(json.dumps(doc))
+    assert list(earlier_models(path, tiny=False)) == ["qwen3.5-4b"]
+    assert earlier_models(path, tiny=True) == {}
+    assert earlier_models(tmp_path / "absent.json", tiny=False) == {}
