@@ -55,6 +55,9 @@ def _conv(original: Any) -> Any:
 
 
 def _rule(original: Any) -> Any:
+    if not getattr(original, "stitch_device_guard", False):
+        original = _off_gpu_on_torch(original)
+
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, *args, cu_seqlens=None, **kwargs):
         if cu_seqlens is None:
             return original(query, key, value, g, beta, *args, cu_seqlens=None, **kwargs)
@@ -96,6 +99,35 @@ def use_varlen(model: Any) -> None:
     """Packed calls of ``model`` (a Qwen3.5 causal LM) keep every sample's recurrent state and conv window apart."""
     patch_gated_deltanet()
     flatten_packed_rows(model.model)
+
+
+RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+
+def _off_gpu_on_torch(original: Any) -> Any:
+    torch_rule = inspect.unwrap(original)  # transformers' PyTorch rule under its kernel-hub decorator
+
+    @functools.wraps(original)
+    def rule(query, *args, **kwargs):
+        return (original if query.is_cuda else torch_rule)(query, *args, **kwargs)
+
+    rule.stitch_device_guard = True
+    return rule
+
+
+def keep_rules_off_gpu_on_torch() -> int:
+    """Tensors off the GPU take transformers' PyTorch Gated DeltaNet rules in each Qwen3.5 modeling module:
+    transformers takes fla's Triton rules for every call once fla imports, and those fail on CPU tensors (a GPU
+    machine's CPU tests, a model moved to the CPU). Returns the rules wrapped."""
+    done = 0
+    for module in imported(MODULES):
+        for attr in RULES:
+            current = getattr(module, attr, None)
+            if current is not None and not getattr(current, "stitch_device_guard", False) \
+                    and not hasattr(current, "stitch_original") and inspect.unwrap(current) is not current:
+                setattr(module, attr, _off_gpu_on_torch(current))
+                done += 1
+    return done
 
 
 def keep_reference_rule() -> int:

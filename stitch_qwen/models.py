@@ -11,7 +11,13 @@ import torch
 
 from stitch.accel import fla_triton_problem, varlen_kernels_ready, warn_kernel_fallback
 from stitch.api import ModelSource, ModelSpec, automodel_backend
-from stitch_qwen.kernels import install_fused_kernels, keep_reference_rule, use_fused_kernels, use_varlen
+from stitch_qwen.kernels import (
+    install_fused_kernels,
+    keep_reference_rule,
+    keep_rules_off_gpu_on_torch,
+    use_fused_kernels,
+    use_varlen,
+)
 from stitch_qwen.published import snapshot_writer
 from stitch_qwen.sentinels import SENTINELS
 from stitch_qwen.tiny import (
@@ -76,6 +82,7 @@ def install_sample_starts(model: Any) -> bool:
     (or with a Triton fla refuses) it warns once per process, naming what to install.
     """
     warn_kernel_fallback(KERNELS_EXTRA, KERNELS)
+    keep_rules_off_gpu_on_torch()
     if fla_triton_problem() is not None:  # transformers would take fla's rule, whose backward refuses this Triton
         keep_reference_rule()
     use_fused_kernels(model)  # liger's RMSNorm / SwiGLU on GPU tensors where installed (stitch_qwen/kernels.py)

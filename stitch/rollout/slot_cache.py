@@ -81,6 +81,23 @@ class SlotCache:
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return self.prefilled
 
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The layer's conv window once prefilled (None before: the prefill starts from zeros)."""
+        return self._state(layer_idx, state_idx, "conv")
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The layer's recurrent state once prefilled (None before: the prefill starts from zeros)."""
+        return self._state(layer_idx, state_idx, "recurrent")
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return RecurrentSlots.record_past
+
+    def _state(self, layer_idx: int, state_idx: int, kind: str) -> torch.Tensor | None:
+        layer = self.layers.get(layer_idx)
+        if not self.prefilled or layer is None:
+            return None
+        return (layer.conv_states if kind == "conv" else layer.recurrent_states).get(state_idx)
+
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
         """The prefill's conv input [rows, channels, tokens]: its last ``conv_kernel_size`` tokens (zeros before a

@@ -172,3 +172,30 @@ def test_a_hopper_gpu_with_a_triton_fla_refuses_trains_on_the_pytorch_rule_and_n
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.equal(loss, expected)
+
+
+def test_cpu_tensors_take_transformers_pytorch_rules_when_fla_is_what_transformers_imported(monkeypatch):
+    """On a GPU machine transformers takes fla's Triton rules for every call, and those fail on CPU tensors: a
+    loaded model's CPU prefill (chunk rule) and cached decode (recurrent rule) run transformers' PyTorch rules."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as moe_modeling
+
+    from stitch_qwen.kernels import RULES
+
+    spec = load_plugins().get("models", "qwen3.5-tiny")
+    ids = torch.tensor([[5, 9, 14, 22, 31, 8, 40, 41]])
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    expected = load_model(spec, registry=get_host()).generate(ids, **kwargs)
+    for module in (modeling, moe_modeling):
+        for attr in RULES:
+            current = getattr(module, attr)
+            reference = inspect.unwrap(getattr(current, "stitch_original", current))
+
+            @functools.wraps(reference)  # what transformers' kernel-hub decorator holds once fla imports
+            def fla_rule(query, *args, _attr=attr, **kwargs):
+                raise RuntimeError(f"{_attr}: Triton kernels take CUDA tensors, got {query.device}")
+
+            monkeypatch.setattr(module, attr, fla_rule)
+    model = load_model(spec, registry=get_host())
+    assert all(getattr(modeling, attr).stitch_device_guard for attr in RULES)
+    assert torch.equal(model.generate(ids, **kwargs), expected)
