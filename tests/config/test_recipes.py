@@ -53,6 +53,7 @@ def test_seed_model_recipes_train_at_the_batch_the_models_benchmark_measures(nam
         assert (opts.token_budget, opts.batch_size, opts.micro_batch_size) == (settings.budget, settings.batch,
                                                                              settings.micro), stage
     assert {stages[s].activation_checkpointing for s in ("alignment", "sft", "grpo")} == {settings.checkpointing}
+    assert stages["grpo"].micro_batch_size == settings.grpo_micro
     assert {opts.dtype for opts in stages.values()} == {"bfloat16"}  # fp32 weights of a 35B MoE fill an H200
 
 
