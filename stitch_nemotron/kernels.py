@@ -107,9 +107,10 @@ def _mixer_class():
             backend = self.stitch_backend
             if backend == FLA and not hidden_states.is_cuda:  # fla's kernels are Triton/CUDA only
                 backend = REFERENCE if cu_seqlens is not None else None
-            if cache_params is not None or backend is None:
-                return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask,
-                                       **kwargs)
+            if cache_params is not None or kwargs.get("cache") is not None or backend is None:  # `cache`: 5.24 on
+                if cache_params is not None:
+                    kwargs["cache_params"] = cache_params
+                return super().forward(hidden_states, attention_mask=attention_mask, **kwargs)
             return mamba2_forward(self, hidden_states, attention_mask, cu_seqlens, backend=backend)
 
     return KernelMamba2Mixer

@@ -107,10 +107,13 @@ def test_packed_model_with_kernel_mixers_equals_unpacked_samples_through_the_sto
     assert (leaky[0, 5:14] - alone[1]).abs().max() > 1e-3
 
 
-def test_generation_with_kernel_mixers_keeps_the_stock_cached_path():
+@pytest.mark.parametrize("backend", [FLA, REFERENCE])
+def test_generation_with_kernel_mixers_keeps_the_stock_cached_path(backend):
+    """With a cache (passed as ``cache_params`` or, from transformers 5.24 on, ``cache``) the stock forward runs;
+    the reference backend runs on CPU tensors, so here it is the one that would take a cached call otherwise."""
     stock = tiny_model()
     swapped = tiny_model()
-    use_varlen(swapped, FLA)  # on CPU with a cache the stock forward runs, so this works here
+    use_varlen(swapped, backend)
     prompt = torch.tensor([[3, 14, 15, 9, 2, 6]])
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert swapped.generate(prompt, **kwargs).tolist() == stock.generate(prompt, **kwargs).tolist()
