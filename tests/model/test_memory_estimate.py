@@ -1,7 +1,9 @@
 """The training-state estimate: bytes per element for weights, gradients, AdamW moments and master copies; the
-parts a built model and a meta-device published shape give; the Qwen3.5-4B shape."""
+parts a built model and a meta-device published shape give; the Qwen3.5-4B figures docs/recipes.md states."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,12 +13,15 @@ from stitch.host.host import get_host
 from stitch.model.memory import (
     ParameterPart,
     estimate,
+    gib,
     lm_parts,
     meta_lm,
     model_parts,
     spec_training_memory,
 )
 from stitch_qwen.published import text_config
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 
 
 def test_a_trained_weight_costs_weight_gradient_and_two_moments_in_its_dtype_and_a_frozen_one_its_weight():
@@ -39,7 +44,7 @@ def test_model_parts_group_a_built_model_by_component_dtype_and_whether_it_train
     assert parts == {("projector", torch.float32, True): 40, ("lm", torch.bfloat16, False): 64}
 
 
-def test_qwen35_4b_published_shape_is_counted_on_the_meta_device():
+def test_qwen35_4b_published_shape_is_counted_on_the_meta_device_and_its_estimate_is_the_documented_one():
     spec = get_host().get("models", "qwen3.5-4b")
     lm = meta_lm(spec.architecture, text_config("qwen3.5-4b"), torch.bfloat16)
     assert all(p.is_meta for p in lm.parameters())  # no byte of weights
@@ -52,6 +57,9 @@ def test_qwen35_4b_published_shape_is_counted_on_the_meta_device():
     wide = spec_training_memory(spec, config, dtype=torch.float32, train_lm="full", projector_elements=proj_n)
     lora = spec_training_memory(spec, config, dtype=torch.bfloat16, train_lm="lora", projector_elements=proj_n)
     assert wide.total == (n + proj_n) * 16 and lora.total > n * 2
+    doc = DOC.read_text()
+    for text in (f"{n:,} LM weights", f"of {proj_n:,}", gib(full.total), gib(wide.total), gib(lora.total)):
+        assert text in doc, f"docs/recipes.md does not state {text!r}"
 
 
 def test_train_lm_layers_estimate_counts_only_the_named_layers_as_trained():
