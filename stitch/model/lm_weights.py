@@ -23,12 +23,14 @@ class LmSelectionError(ValueError):
 
 def selected_parameters(lm: nn.Module, layers: Sequence[int | str] | None, where: str) -> list[str]:
     """Names (``lm.named_parameters()``) of the weights that train: every one for ``layers`` None; else those of
-    the decoder layers at the given indices and those matching the given fnmatch patterns. An index out of range or
-    a pattern that matches nothing is refused, naming it and ``where``."""
+    the decoder layers at the given indices and those matching the given fnmatch patterns (a tied weight matches
+    under either of its names, e.g. ``lm_head.weight``). An index out of range or a pattern that matches nothing is
+    refused, naming it and ``where``."""
     names = [name for name, _ in lm.named_parameters()]
     if layers is None:
         return names
     owner = {id(param): name for name, param in lm.named_parameters()}
+    aliases = {name: owner[id(param)] for name, param in lm.named_parameters(remove_duplicate=False)}
     blocks = decoder_layers(lm)
     chosen: set[str] = set()
     for entry in layers:
@@ -38,11 +40,11 @@ def selected_parameters(lm: nn.Module, layers: Sequence[int | str] | None, where
                                        f"layers (0 to {len(blocks) - 1})")
             found = [owner[id(p)] for p in blocks[entry].parameters() if id(p) in owner]
         else:
-            found = fnmatch.filter(names, entry)
+            found = [aliases[name] for name in fnmatch.filter(aliases, entry)]
             if not found:
-                raise LmSelectionError(f"{where}: {entry!r} matches none of the LM's {len(names)} parameter names "
-                                       f"(e.g. {', '.join(names[:3])}); `stitch models --json` does not list them: "
-                                       f"they are the transformers model's named_parameters()")
+                raise LmSelectionError(f"{where}: {entry!r} matches none of the LM's {len(aliases)} parameter names "
+                                       f"(those of its transformers model's named_parameters(), e.g. "
+                                       f"{', '.join(names[:3])})")
         chosen.update(found)
     return [name for name in names if name in chosen]
 

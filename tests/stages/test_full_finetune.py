@@ -104,14 +104,16 @@ def test_full_sft_checkpoint_is_served_and_exported_with_its_trained_lm_weights(
     assert "model.layers.0.mlp.down_proj.weight" in exported
 
 
-def test_train_lm_layers_trains_only_the_named_layers(prepared, tmp_path):
+def test_train_lm_layers_trains_only_the_named_layers_and_a_tied_head_by_either_name(prepared, tmp_path):
+    layers = [1, "model.norm.*", "lm_head.weight"]  # the demo LM ties lm_head.weight to model.embed_tokens.weight
     recipe_path = write_recipe(tmp_path / "r.yaml", **{**FULL, "stages__sft__steps": 1, "stages__sft__save_every": 1,
-                                                       "stages__sft__train_lm_layers": [1, "model.norm.*"]})
+                                                       "stages__sft__train_lm_layers": layers})
     run = _run_dir(prepared, tmp_path / "run")
     summary = run_stage(load_recipe(recipe_path), "sft", run, progress=False, registry=get_host())
     saved = load_file(str(Path(summary["checkpoint"]) / "lm" / "model.safetensors"))
+    named = ("model.norm.weight", "model.embed_tokens.weight")
     assert sorted(saved) == sorted(k for k in _base_lm_state(recipe_path)
-                                   if k.startswith("model.layers.1.") or k == "model.norm.weight")
+                                   if k.startswith("model.layers.1.") or k in named)
     assert summary["trainable_parameters"]["lm"] == sum(t.numel() for t in saved.values())
 
 
