@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 from tests.stitch_testing import cli, kill_after_checkpoint, write_recipe
 
@@ -86,16 +88,20 @@ def test_full_sft_killed_midway_resumes_to_identical_metrics_and_lm_weights(full
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
 
 
-def test_full_sft_checkpoint_is_served_and_exported_with_its_trained_lm_weights(full_sft, tmp_path):
+def test_full_sft_checkpoint_is_served_by_stitch_infer_and_exported_with_its_trained_lm_weights(full_sft, tmp_path):
     recipe_path, run, summary = full_sft
     step = Path(summary["checkpoint"])
     trained = load_file(str(step / "lm" / "model.safetensors"))
     served = Stitched(run / "sft" / "checkpoints", get_host(), device="cpu")
     lm_state = dict(served.model.lm.named_parameters())
     assert served.merged_weights == 0 and all(torch.equal(lm_state[k], v) for k, v in trained.items())
-    spec = served.encoder_spec
-    features = torch.zeros(1, spec.tokens_per_item, spec.feature_width)
-    assert isinstance(served.answer_features(features, "How many shapes?", 4), str)
+    image = tmp_path / "a.png"
+    Image.new("RGB", (224, 224), (200, 40, 40)).save(image)
+    question = "How many shapes are in the image?"
+    infer = subprocess.run(cli("infer", "--adapter", str(run / "sft" / "checkpoints"), "--media", str(image),
+                               "--question", question, "--max-new-tokens", "6"),
+                           check=True, capture_output=True, text=True)
+    assert infer.stdout == served.answer([str(image)], question, max_new_tokens=6) + "\n"  # `stitch infer` serves it
     export_checkpoint(step, tmp_path / "export", get_host())
     exported = {}
     for shard in (tmp_path / "export" / "model").glob("*.safetensors"):
