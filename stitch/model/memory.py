@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import transformers
 from torch import nn
 
 from stitch.model.lm_weights import selected_parameters
@@ -139,8 +140,6 @@ def lm_parts(lm: nn.Module, dtype: torch.dtype, train_lm: str, *, lm_layers: Seq
 def meta_lm(architecture: str, config: object, dtype: torch.dtype) -> nn.Module:
     """The transformers class ``architecture`` built from ``config`` with its parameters on the meta device: the
     published shape's names and sizes without a byte of weights (or a download)."""
-    import transformers
-
     with parameters_on_meta():
         return getattr(transformers, architecture)._from_config(config, dtype=dtype)
 
