@@ -123,3 +123,16 @@ def snapshot_writer(name: str) -> Callable[..., None]:
         write_published_snapshot(name, out_dir, **options)
 
     return write
+
+
+def text_config(name: str) -> Any:
+    """The published text-model config of ``name`` as transformers' config class, with the published vocabulary:
+    what a memory estimate of the published shape builds on the meta device
+    (``stitch.model.memory.spec_training_memory``)."""
+    from transformers import (  # deferred: plugin loading skips transformers
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
+
+    shape = text_shape(name)
+    return (Qwen3_5MoeTextConfig if "num_experts" in shape else Qwen3_5TextConfig)(**shape)

@@ -129,7 +129,8 @@ def export(
         "AutoProcessor, the image-text-to-text pipeline), for CLIP-family encoders with an mlp2x_gelu or linear "
         "projector; other encoders are refused (use stitch)."),
 ) -> None:
-    """Merge the adapter into the base LM and write it in the chosen format (see --format)."""
+    """Merge the adapter into the base LM (or put a full fine-tune's LM weights in) and write it in the chosen format
+    (see --format)."""
     from stitch.serve.export import export_checkpoint  # deferred: stitch --help skips torch
     from stitch.serve.llava_export import export_llava  # deferred: stitch --help skips torch
 

@@ -42,6 +42,15 @@ Probability = Annotated[float, StrictValue(), Ge(0), Lt(1), BeforeValidator(_num
 Flag = Annotated[bool, StrictValue()]
 Text = Annotated[str, StrictValue()]
 
+def _layer_entry(value: Any) -> Any:
+    """One ``train_lm_layers`` entry: refused here, in words, rather than as two failed union members."""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise field_error("", "a decoder-layer index (an integer from 0) or a parameter-name pattern (text)", value)
+
+
+LayerEntry = Annotated[NonNegativeInt | Text, BeforeValidator(_layer_entry)]
+
 STRICT_CONFIG = ConfigDict(extra="forbid", frozen=True)
 STRICT_DATACLASS = ConfigDict(extra="forbid")  # the same for pydantic dataclasses (frozen by their decorator)
 
@@ -85,6 +94,10 @@ class StageOptions(Strict):
         "off", description="recompute decoder layers in backward instead of keeping their activations: off, full "
         "(every layer), or a list of layer kinds (e.g. [linear_attention, moe]; `stitch models --json` lists a "
         "model's kinds)")
+    device_memory_gib: PositiveNumber | None = Field(
+        None, description="memory of the training device (GiB) that the weights, gradients and AdamW states must fit "
+        "in, or the stage is refused at setup with the arithmetic (docs/recipes.md, Memory); null: the device's own "
+        "(a GPU's total memory; on CPU the machine's RAM)")
 
     @model_validator(mode="after")
     def _checkpointing_kinds_named(self) -> StageOptions:
@@ -112,11 +125,33 @@ class AlignmentOptions(StageOptions):
 
 
 class SFTOptions(AlignmentOptions):
-    """Warm-started projector + a LoRA adapter on the model plugin's target set."""
+    """Warm-started projector + a LoRA adapter on the model plugin's target set, or the LM's own weights."""
 
-    lr_adapter: PositiveNumber = Field(3e-3, description="adapter learning rate")
-    lora: LoraOptions = Field(default_factory=LoraOptions, description="the adapter SFT creates")
-    train_projector: Flag = Field(True, description="keep training the projector (false: adapter only)")
+    lr_adapter: PositiveNumber = Field(3e-3, description="adapter learning rate (train_lm: lora)")
+    lora: LoraOptions = Field(default_factory=LoraOptions, description="the adapter SFT creates (train_lm: lora)")
+    train_projector: Flag = Field(True, description="keep training the projector (false: the LM side only)")
+    train_lm: Literal["lora", "full"] = Field(
+        "lora", description="how the LM trains: lora (an adapter on the model plugin's targets) or full (its own "
+        "weights, all of them or train_lm_layers; the encoder stays frozen)")
+    train_lm_layers: list[LayerEntry] | None = Field(
+        None, description="train_lm: full only: what trains, as decoder-layer indices and/or patterns over the LM's "
+        "parameter names (fnmatch, e.g. 'model.norm.*'); one that matches nothing is refused; null: every weight")
+    lr_lm: PositiveNumber = Field(1e-5, description="learning rate of the LM's own weights (train_lm: full)")
+
+    @model_validator(mode="after")
+    def _lm_options_fit_train_lm(self) -> SFTOptions:
+        # a value other than the default is refused; the default itself is inert (a resolved recipe writes it)
+        full_only, lora_only = ("train_lm_layers", "lr_lm"), ("lora", "lr_adapter")
+        for key in full_only if self.train_lm == "lora" else lora_only:
+            if getattr(self, key) != SFTOptions.model_fields[key].get_default(call_default_factory=True):
+                other = "full" if self.train_lm == "lora" else "lora"
+                raise field_error(key, f"no {key} beside train_lm: {self.train_lm} (it applies to train_lm: "
+                                       f"{other})", getattr(self, key))
+        layers = self.train_lm_layers
+        if layers is not None and (not layers or len(set(map(str, layers))) != len(layers)):
+            raise field_error("train_lm_layers", "a non-empty list of distinct layer indices or name patterns",
+                              layers)
+        return self
 
 
 class GRPOOptions(StageOptions):

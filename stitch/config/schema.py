@@ -187,6 +187,11 @@ class RecipeFile(Strict):
             if stage in stages and "sft" not in stages:
                 raise field_error(f"stages.{stage}", f"a recipe that also declares 'sft' ({stage} warm-starts from "
                                                      f"SFT's adapter and projector)", sorted(stages))
+            if stage in stages and stages["sft"].train_lm != "lora":
+                raise field_error("stages.sft.train_lm",
+                                  f"lora while the recipe declares {stage} ({stage} warm-starts from SFT's adapter; a "
+                                  f"fully fine-tuned SFT LM is served and exported, not warm-started from yet)",
+                                  stages["sft"].train_lm)
             lora = getattr(stages.get(stage), "lora", None)
             if lora is not None and "sft" in stages:
                 for key in ("r", "alpha"):

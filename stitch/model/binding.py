@@ -1,6 +1,7 @@
 """The model binding: what a recipe (or a checkpoint's manifest) resolves to once — model and encoder specs,
 tokenizer, sentinel ids, projector type — and how to build, save and restore the trainable model (projector +
-optional LoRA adapter) with its provenance. Stages, distributed saving and inference share it."""
+optional LoRA adapter, or the LM's own trained weights) with its provenance. Stages, distributed saving and
+inference share it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ from stitch.config.recipe import Recipe
 from stitch.data.collator import Messages, prompt_token_ids, render_prompt
 from stitch.data.sentinels import SentinelError, SentinelIds, resolve_sentinels
 from stitch.model.artifacts import check_provenance, load_projector_artifact, save_projector_artifact
+from stitch.model.lm_weights import (
+    LM_DIR,
+    load_lm_weights,
+    save_lm_weights,
+    selected_parameters,
+    trained_lm_state,
+    unfreeze,
+)
 from stitch.model.loading import (
     BackendError,
     SnapshotError,
@@ -166,11 +175,19 @@ class ModelBinding:
         train_projector: bool = True,
         train_adapter: bool = True,
         lm: torch.nn.Module | None = None,
+        full_lm: bool = False,
+        lm_layers: list[int | str] | None = None,
+        lm_layers_field: str = "train_lm_layers",
+        place: bool = True,
     ) -> Any:
         """Frozen LM (+ a new LoRA from ``lora`` or the PEFT adapter at ``adapter_from``), projector (fresh or from
-        the artifact at ``projector_from``), on the binding's device. ``lm``: an already loaded base (inference
-        passes one with the adapter merged in)."""
+        the artifact at ``projector_from``), on the binding's device (``place``; else left where it loaded).
+        ``full_lm``: the LM's own weights train, all of them or ``lm_layers`` (``selected_parameters``; refusals
+        name ``lm_layers_field``). ``lm``: an already loaded base (inference passes one with the adapter merged
+        in)."""
         lm = self.load_lm() if lm is None else lm
+        if full_lm:
+            unfreeze(lm, selected_parameters(lm, lm_layers, lm_layers_field))
         hidden = hidden_size(lm)
         projector = self.build_projector(hidden)
         projector.requires_grad_(train_projector)
@@ -193,7 +210,7 @@ class ModelBinding:
         if projector_from is not None:  # after StitchedModel gave a half-precision projector its fp32 master weights,
             # so a saved fp32 master loads exactly instead of rounded to the LM's dtype
             self.load_projector(model.projector, projector_from, hidden)
-        if any(p.is_meta for p in model.parameters()):  # an empty model (a rank that receives its shards later)
+        if not place or any(p.is_meta for p in model.parameters()):  # meta: a rank that receives its shards later
             return model
         return model.to(self.device)
 
@@ -266,9 +283,14 @@ class ModelBinding:
         if state is not None:
             projector = {k.removeprefix("projector."): v for k, v in state.items() if k.startswith("projector.")}
         save_projector_artifact(step_dir / "projector", projector, self.provenance(hidden, stage))
+        lm_state = None if state is None else {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+        own = trained_lm_state(model.lm)  # the live tensors, or under FSDP the names of the gathered ones
+        if lm_state is not None:  # the gathered state also holds buffers: keep the trained weights only
+            own = {k: v for k, v in lm_state.items() if k in own}
+        if own:  # train_lm: full: the LM's trained weights, beside the projector
+            save_lm_weights(own, step_dir / LM_DIR)
         if not hasattr(model.lm, "peft_config"):
             return
-        lm_state = None if state is None else {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
         model.lm.save_pretrained(str(step_dir / "adapter"), safe_serialization=True, state_dict=lm_state)
         # the warm-start gate compares target sets: the resolved one must be what the model plugin asked for
         cfg = json.loads((step_dir / "adapter" / "adapter_config.json").read_text())
@@ -281,8 +303,10 @@ class ModelBinding:
             raise RuntimeError(f"LoRA wrapped {sorted(resolved)}, but the model plugin asked for {sorted(configured)}")
 
     def load_trainable(self, model: Any, step_dir: Path) -> None:
-        """Restore projector and adapter tensors saved by ``save_trainable`` (for an exact resume)."""
+        """Restore the projector, LM and adapter tensors saved by ``save_trainable`` (for an exact resume)."""
         self.load_projector(model.projector, step_dir / "projector", hidden_size(model.lm))
+        if trained_lm_state(model.lm) or (step_dir / LM_DIR).is_dir():
+            load_lm_weights(model.lm, step_dir / LM_DIR, resume=True)
         if hasattr(model.lm, "peft_config"):
             state = load_file(str(step_dir / "adapter" / "adapter_model.safetensors"))
             result = set_peft_model_state_dict(model.lm, state)

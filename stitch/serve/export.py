@@ -1,6 +1,7 @@
 """`stitch export`: a trained checkpoint as files that plain transformers (and any engine) loads.
 
-``OUT/model/`` is the base LM with the LoRA adapter merged in (peft's ``merge_and_unload``), saved with
+``OUT/model/`` is the base LM with the LoRA adapter merged in (peft's ``merge_and_unload``), or with the LM's own
+trained weights in place (``train_lm: full``), saved with
 ``save_pretrained`` (safetensors) with its tokenizer; ``OUT/projector/`` is the projector artifact (safetensors +
 manifest with provenance); ``OUT/stitch-export.json`` names the encoder (and its pinned source), the sentinels,
 the projector type and the prompt layout, so a user can rebuild the soft tokens without stitch.
@@ -15,20 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel
 
 from stitch.data.collator import media_block
 from stitch.model.binding import ModelBinding
 from stitch.plugins.registry import Registry
-from stitch.serve.inference import resolve_checkpoint
+from stitch.serve.inference import merged_lm, resolve_checkpoint
 
 EXPORT_FORMAT = "stitch.export/1"
 
 
 def export_checkpoint(checkpoint: Path, out_dir: Path, registry: Registry, *,
                       dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Merge ``checkpoint``'s adapter into its base LM and write the export to ``out_dir`` (atomically: a
-    temporary sibling directory renamed into place). Returns the export manifest."""
+    """Merge ``checkpoint``'s adapter (or put its trained LM weights) into its base LM and write the export to
+    ``out_dir`` (atomically: a temporary sibling directory renamed into place). Returns the export manifest."""
 
     resolved = resolve_checkpoint(Path(checkpoint))
     projector_manifest = json.loads((resolved.projector_dir / "manifest.json").read_text())
@@ -42,8 +42,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, registry: Registry, *,
         raise ValueError(f"{resolved.projector_dir}: the projector was trained with sentinel ids "
                          f"{projector_manifest['sentinel_ids']}, but {model_spec.name}'s tokenizer gives "
                          f"{sentinel_ids.as_dict()}")
-    lm = binding.load_lm()
-    merged = PeftModel.from_pretrained(lm, str(resolved.adapter_dir)).merge_and_unload()
+    merged = merged_lm(resolved, binding)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

@@ -1,5 +1,6 @@
 """Inference on a new input: the encoder runs once, the projector makes soft tokens, the adapter is merged
-into the base weights with safetensors alone, and a rollout engine generates from prompt embeddings."""
+into the base weights with safetensors alone (or the LM's own trained weights replace the base's), and a rollout
+engine generates from prompt embeddings."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftModel
 
 from stitch.data.collator import Messages
 from stitch.model.binding import ModelBinding
+from stitch.model.lm_weights import LM_DIR, load_lm_weights
 from stitch.model.merge import merge_adapter_into_model
 from stitch.plugins.registry import Registry
 from stitch.rollout.prompts import payload_for, prompt_embeddings
@@ -30,8 +33,16 @@ def encode_item(spec: Any, encoder: Any, preprocess: Any, raw: Any) -> torch.Ten
 @dataclass
 class ResolvedCheckpoint:
     step_dir: Path
-    adapter_dir: Path
+    adapter_dir: Path | None  # None: the LM trained its own weights (lm_dir)
     projector_dir: Path
+    lm_dir: Path | None = None  # the LM's trained weights (train_lm: full)
+
+    def trained_lm(self, binding: ModelBinding) -> torch.nn.Module:
+        """The base LM with this checkpoint's trained weights in it (``lm_dir``), the adapter not yet merged."""
+        lm = binding.load_lm()
+        if self.lm_dir is not None:
+            load_lm_weights(lm, self.lm_dir)
+        return lm
 
 
 def resolve_checkpoint(path: Path) -> ResolvedCheckpoint:
@@ -42,19 +53,29 @@ def resolve_checkpoint(path: Path) -> ResolvedCheckpoint:
         step = latest_step_dir(path)
     elif (path / "adapter_config.json").is_file():
         step = path.parent
-    elif (path / "adapter").is_dir():
+    elif (path / "adapter").is_dir() or (path / LM_DIR).is_dir():
         step = path
     else:
         raise FileNotFoundError(
-            f"{path} is neither a checkpoints root (with LATEST), a step directory (with adapter/), nor a PEFT "
-            f"adapter directory (with adapter_config.json)"
+            f"{path} is neither a checkpoints root (with LATEST), a step directory (with adapter/ or {LM_DIR}/), nor "
+            f"a PEFT adapter directory (with adapter_config.json)"
         )
     verify_checksums(step)
     adapter = path if (path / "adapter_config.json").is_file() else step / "adapter"
     projector = step / "projector"
     if not (projector / "manifest.json").is_file():
         raise FileNotFoundError(f"no projector artifact at {projector} (expected beside the adapter)")
-    return ResolvedCheckpoint(step, adapter, projector)
+    return ResolvedCheckpoint(step, adapter if adapter.is_dir() else None, projector,
+                              step / LM_DIR if (step / LM_DIR).is_dir() else None)
+
+
+def merged_lm(resolved: ResolvedCheckpoint, binding: ModelBinding) -> torch.nn.Module:
+    """The checkpoint's LM as a plain transformers model for export: its trained weights in, its adapter merged
+    (peft's ``merge_and_unload``)."""
+    lm = resolved.trained_lm(binding)
+    if resolved.adapter_dir is None:
+        return lm
+    return PeftModel.from_pretrained(lm, str(resolved.adapter_dir)).merge_and_unload()
 
 
 class Stitched:
@@ -68,8 +89,9 @@ class Stitched:
         manifest = json.loads((self.checkpoint.projector_dir / "manifest.json").read_text())
         self.binding = ModelBinding.for_artifact(manifest, f"checkpoint {self.checkpoint.step_dir}", registry,
                                                  device=device)
-        lm = self.binding.load_lm()
-        self.merged_weights = merge_adapter_into_model(lm, self.checkpoint.adapter_dir)
+        lm = self.checkpoint.trained_lm(self.binding)
+        adapter = self.checkpoint.adapter_dir
+        self.merged_weights = 0 if adapter is None else merge_adapter_into_model(lm, adapter)
         lm.eval()
         # the projector artifact's provenance is checked against this binding as it loads
         self.model = self.binding.build_model(lm=lm, projector_from=self.checkpoint.projector_dir,

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
@@ -30,7 +29,7 @@ from transformers import (
 
 from stitch.model.binding import ModelBinding
 from stitch.plugins.registry import Registry
-from stitch.serve.inference import resolve_checkpoint
+from stitch.serve.inference import merged_lm, resolve_checkpoint
 
 LLAVA_PROJECTORS = {"mlp2x_gelu": "gelu", "linear": "linear"}  # stitch projector -> LLaVA projector_hidden_act
 CLIP_MODEL_TYPES = ("clip_vision_model", "clip")
@@ -135,7 +134,7 @@ def export_llava(checkpoint: Path, out_dir: Path, registry: Registry, *,
     sentinels = binding.registry.get("token_sentinels", binding.model_spec.sentinels)
     kwargs = encoder_spec.source.pretrained_kwargs()
     vision = CLIPVisionModel.from_pretrained(**kwargs, use_safetensors=True, dtype=dtype)
-    merged = PeftModel.from_pretrained(binding.load_lm(), str(resolved.adapter_dir)).merge_and_unload()
+    merged = merged_lm(resolved, binding)
     weights = load_file(str(resolved.projector_dir / "mm-projector.safetensors"))
     hidden = merged.get_input_embeddings().weight.shape[1]
     model = build_llava(merged, vision, projector_layers(weights, projector_type, hidden), projector_type,

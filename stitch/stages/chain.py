@@ -35,7 +35,7 @@ from stitch.tasks import check_task, majority_baseline, resolve_task, scorer_nam
 
 DEFAULT_STAGES = ("alignment", "sft", "grpo")
 # the checkpoint the chain serves: GRPO's when it ran (it refines SFT), else DPO's, else SFT's
-POLICY_STAGES = ("sft", "grpo", "dpo")  # stages that leave an adapter to serve, in chain order
+POLICY_STAGES = ("sft", "grpo", "dpo")  # stages that leave an adapter (or SFT's full LM weights) to serve, in order
 INFERENCE_ROWS = 3
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -26,6 +27,15 @@ from stitch.config.validate import check_launch
 from stitch.kernels.graphs import drop_graphs
 from stitch.model.binding import ModelBinding
 from stitch.model.checkpointing import checkpoint_layers
+from stitch.model.memory import (
+    GIB,
+    MemoryEstimate,
+    TrainingMemoryError,
+    device_memory,
+    estimate,
+    gib,
+    model_parts,
+)
 from stitch.model.provenance import check_warm_start
 from stitch.plugins.registry import Registry
 from stitch.runs.checkpoint import (
@@ -80,12 +90,12 @@ def lr_lambda(opts: StageOptions) -> Callable[[int], float]:
 
 
 def parameter_group(name: str) -> str:
-    """The component a parameter of a StitchedModel belongs to: projector, adapter (LoRA) or other (the LM)."""
-    return "projector" if name.startswith("projector.") else "adapter" if "lora_" in name else "other"
+    """The component a parameter of a StitchedModel belongs to: projector, adapter (LoRA) or lm (its own weights)."""
+    return "projector" if name.startswith("projector.") else "adapter" if "lora_" in name else "lm"
 
 
 def trainable_by_group(model: Any) -> dict[str, int]:
-    groups = {"projector": 0, "adapter": 0, "other": 0}
+    groups = {"projector": 0, "adapter": 0, "lm": 0}
     for name, param in model.named_parameters():
         if param.requires_grad:
             groups[parameter_group(name)] += param.numel()
@@ -168,6 +178,7 @@ class StageContext:
     resume_from: Path | None = None
     step: int = 0
     grad_norm: float | None = None
+    memory: MemoryEstimate | None = None  # the training state's estimate (check_memory)
     progress: bool = True
     t_start: float = 0.0
     trackers: TrackerSet | None = None  # the recipe's report_to, on rank 0
@@ -276,13 +287,9 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
     if ctx.warm_start is not None:
         args.update({f"{part}_from": ctx.warm_start / part for part in entry.warm_parts})
     ctx.allowed = tuple(g for g, on in (("projector", args.get("train_projector", True)),
-                                        ("adapter", "lora" in args or "adapter_from" in args)) if on)
-    if dp.active:  # FSDP2: with parallel.meta_init only rank 0 holds the whole model (docs/scaling.md)
-        meta_init = recipe.parallel.meta_init if getattr(recipe, "parallel", None) is not None else True
-        model = dp.build_sharded(session.binding, args, ctx.resume_from, meta_init=meta_init)
-    else:
-        model = session.binding.build_model(**args)
-    ctx.model = model
+                                        ("adapter", "lora" in args or "adapter_from" in args),
+                                        ("lm", args.get("full_lm", False))) if on)
+    model = ctx.model = build_stage_model(ctx, args)
     # a captured block's graph holds its module, so the model outlives the stage unless its graphs go: a chain's
     # next stage (SFT, then GRPO in one process) would start with this one's weights and graph pools still held
     cleanup.callback(drop_graphs, model)
@@ -296,6 +303,44 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
     ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, lr_lambda(opts))
     runner.build(ctx)
     return ctx
+
+
+def build_stage_model(ctx: StageContext, args: dict[str, Any]) -> Any:
+    """The stage's model from ``args`` (``ModelBinding.build_model``), its training state checked against the device
+    memory (``check_memory``): in one process before it is placed on the device; under torchrun FSDP2-sharded."""
+    dp, binding = ctx.dp, ctx.binding
+    if dp.active and args.get("full_lm"):
+        raise RecipeError(f"stages.{ctx.name}.train_lm: full runs in one process (WORLD_SIZE={dp.world_size} here); "
+                          f"start `stitch train {ctx.name}` without torchrun, or train_lm: lora")
+    if dp.active:  # FSDP2: with parallel.meta_init only rank 0 holds the whole model (docs/scaling.md)
+        parallel = getattr(ctx.recipe, "parallel", None)
+        model = dp.build_sharded(binding, args, ctx.resume_from, meta_init=parallel.meta_init if parallel else True)
+        ctx.memory = check_memory(ctx, model)
+        return model
+    model = binding.build_model(**args, place=False)
+    ctx.memory = check_memory(ctx, model)
+    return model.to(binding.device)
+
+
+def check_memory(ctx: StageContext, model: Any) -> MemoryEstimate:
+    """The estimate of the model's training state (weights, gradients, AdamW moments; per rank under FSDP2), shown
+    when the stage shows progress; refused with its arithmetic when it exceeds the device memory the stage declares
+    (``device_memory_gib``) or, without one, the device's own."""
+    est = estimate(model_parts(model.named_parameters()))
+    world = ctx.dp.world_size if ctx.dp.active else 1  # FSDP2 shards weights, gradients and moments alike
+    need = est.total // world
+    declared = ctx.opts.device_memory_gib
+    field = f"stages.{ctx.name}.device_memory_gib"
+    have, what = (int(declared * GIB), field) if declared is not None else device_memory(ctx.session.device)
+    line = f"{ctx.name}: training state {gib(need)}{f' per rank of {world}' if world > 1 else ''} " \
+           f"({est.arithmetic()}), activations on top; {what}: {gib(have)}"
+    if ctx.dp.is_main and ctx.progress:
+        print(line, file=sys.stderr)
+    if need > have:
+        raise TrainingMemoryError(f"{line}: does not fit. Train fewer weights (sft's train_lm: lora or "
+                                  f"train_lm_layers), in bfloat16 (stages.{ctx.name}.dtype), over more GPUs, or "
+                                  f"declare the device's real memory in {field}")
+    return est
 
 
 def tracker_config(opts: StageOptions) -> dict[str, Any]:
@@ -429,6 +474,7 @@ def summarize(ctx: StageContext) -> dict[str, Any]:
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
         "trainable_parameters": trainable_by_group(ctx.model),
+        "memory_estimate": {"bytes": ctx.memory.total, "arithmetic": ctx.memory.arithmetic()} if ctx.memory else None,
         "peak_memory_bytes": peak_memory_bytes(),
         "checkpoint": str(latest_step_dir(ctx.checkpoints)),
         "metrics": str(metrics.path),

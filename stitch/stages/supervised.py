@@ -1,7 +1,8 @@
 """Alignment and SFT steps: next-token loss on packed rows of the prepared data.
 
 alignment trains only the projector against the frozen LM; sft warm-starts the projector from alignment (the
-stage table says so) and trains it jointly with a LoRA adapter on the model plugin's target set. Under
+stage table says so) and trains it jointly with a LoRA adapter on the model plugin's target set, or with the LM's
+own weights (``train_lm: full``, all of them or ``train_lm_layers``). Under
 ``torchrun --nproc-per-node N`` both run FSDP2 data parallel (stitch.stages.distributed): every rank draws the
 same global batch and trains on its share; the loss is normalised by the global label count.
 """
@@ -123,7 +124,11 @@ def steady_rate(history: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> fl
 
 
 class SFTStage(AlignmentStage):
-    """Projector (warm-started from alignment) + a new LoRA adapter."""
+    """Projector (warm-started from alignment) + a new LoRA adapter, or the LM's own weights (train_lm: full)."""
 
     def model_args(self) -> dict[str, Any]:
-        return {"lora": self.opts.lora, "train_projector": self.opts.train_projector}
+        opts = self.opts
+        if opts.train_lm == "full":
+            return {"full_lm": True, "lm_layers": opts.train_lm_layers, "train_projector": opts.train_projector,
+                    "lm_layers_field": "stages.sft.train_lm_layers"}
+        return {"lora": opts.lora, "train_projector": opts.train_projector}

@@ -101,7 +101,7 @@ def test_grpo_trainable_projector_logs_drift_before_every_update_and_trains_only
     summary = run_stage(recipe, "grpo", run, progress=False, registry=get_host())
     drift = [json.loads(line)["projector_drift"] for line in (run / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert drift[0] == 0.0 and drift[-1] > 0.0  # logged before each update: the first sees the warm start
-    assert summary["trainable_parameters"]["projector"] > 0 and summary["trainable_parameters"]["other"] == 0
+    assert summary["trainable_parameters"]["projector"] > 0 and summary["trainable_parameters"]["lm"] == 0
     assert summary["parity_max_abs_logprob"] < 1e-3  # embedded engine == training forward
 
 
@@ -109,7 +109,7 @@ def test_grpo_default_keeps_the_projector_frozen(sft_run, tmp_path):
     run = _clone(sft_run, tmp_path)
     summary = run_stage(load_recipe(write_recipe(tmp_path / "r.yaml")), "grpo", run, progress=False, registry=get_host())
     assert summary["trainable_parameters"] == {"projector": 0, "adapter": summary["trainable_parameters"]["adapter"],
-                                               "other": 0}
+                                               "lm": 0}
     from safetensors.torch import load_file
 
     before = load_file(str(_donor(run) / "projector" / "mm-projector.safetensors"))

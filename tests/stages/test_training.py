@@ -129,8 +129,8 @@ def test_alignment_and_sft_run_on_each_tiny_architecture(prepared, tmp_path, mod
     copy_prepared(prepared / "run", tmp_path / "run")
     align = run_stage(recipe, "alignment", tmp_path / "run", progress=False, registry=get_host())
     sft = run_stage(recipe, "sft", tmp_path / "run", progress=False, registry=get_host())
-    assert align["trainable_parameters"]["adapter"] == 0 and align["trainable_parameters"]["other"] == 0
-    assert sft["trainable_parameters"]["adapter"] > 0 and sft["trainable_parameters"]["other"] == 0
+    assert align["trainable_parameters"]["adapter"] == 0 and align["trainable_parameters"]["lm"] == 0
+    assert sft["trainable_parameters"]["adapter"] > 0 and sft["trainable_parameters"]["lm"] == 0
     assert not sft["packed"]  # hybrid layers would leak state across packed samples
     step = Path(sft["checkpoint"])
     config = json.loads((step / "adapter" / "adapter_config.json").read_text())
