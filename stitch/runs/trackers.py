@@ -114,8 +114,8 @@ class TrackioTracker:
 
     def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
         import trackio  # optional: needs the trackio extra
-        import trackio.sqlite_storage
-        import trackio.utils
+        import trackio.sqlite_storage  # optional: needs the trackio extra
+        import trackio.utils  # optional: needs the trackio extra
 
         log_dir.mkdir(parents=True, exist_ok=True)
         # trackio reads TRACKIO_DIR once, at import, into these module constants; each stage of a process writes
