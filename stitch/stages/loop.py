@@ -332,12 +332,12 @@ def check_memory(ctx: StageContext, model: Any) -> MemoryEstimate:
     declared = ctx.opts.device_memory_gib
     field = f"stages.{ctx.name}.device_memory_gib"
     have, what = (int(declared * GIB), field) if declared is not None else device_memory(ctx.session.device)
-    line = f"{ctx.name}: training state {gib(need)}{f' per rank of {world}' if world > 1 else ''} " \
-           f"({est.arithmetic()}), activations on top; {what}: {gib(have)}"
-    if ctx.dp.is_main and ctx.progress:
-        print(line, file=sys.stderr)
+    state = f"{ctx.name}: training state {gib(need)}{f' per rank of {world}' if world > 1 else ''}"
+    tail = f"activations on top; {what}: {gib(have)}"
+    if ctx.dp.is_main and ctx.progress:  # the arithmetic goes to summary.json and into a refusal
+        print(f"{state}, {tail}", file=sys.stderr)
     if need > have:
-        raise TrainingMemoryError(f"{line}: does not fit. Train fewer weights (sft's train_lm: lora or "
+        raise TrainingMemoryError(f"{state} ({est.arithmetic()}), {tail}: does not fit. Train fewer weights (sft's train_lm: lora or "
                                   f"train_lm_layers), in bfloat16 (stages.{ctx.name}.dtype), over more GPUs, or "
                                   f"declare the device's real memory in {field}")
     return est
