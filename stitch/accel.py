@@ -10,6 +10,7 @@ from stitch.kernels.graphs import drop_graphs, static_block
 from stitch.kernels.precision import shared_input_projections
 from stitch.kernels.shared_slots import SlotBytes
 from stitch.kernels.varlen import (
+    decode_cache_kwargs,
     fla_conv,
     fla_kernels_importable,
     fla_kernels_usable,
@@ -33,6 +34,8 @@ __all__ = [
     "fla_kernels_usable",
     "fla_triton_problem",
     "varlen_kernels_ready",
+    # a recurrent layer's call that carries a decode cache goes to transformers' forward
+    "decode_cache_kwargs",
     # one warning per process when a GPU runs reference code for want of a plugin's kernels extra
     "warn_kernel_fallback",
     # several LoRA projections of one input as one autograd node (a model plugin's fused layer)

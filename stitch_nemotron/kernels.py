@@ -26,7 +26,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stitch.accel import fla_conv, fla_seqlens, flatten_packed_rows, reference_conv, segments
+from stitch.accel import (
+    decode_cache_kwargs,
+    fla_conv,
+    fla_seqlens,
+    flatten_packed_rows,
+    reference_conv,
+    segments,
+)
 
 FLA = "fla"
 REFERENCE = "reference"
@@ -107,10 +114,9 @@ def _mixer_class():
             backend = self.stitch_backend
             if backend == FLA and not hidden_states.is_cuda:  # fla's kernels are Triton/CUDA only
                 backend = REFERENCE if cu_seqlens is not None else None
-            if cache_params is not None or kwargs.get("cache") is not None or backend is None:  # `cache`: 5.24 on
-                if cache_params is not None:
-                    kwargs["cache_params"] = cache_params
-                return super().forward(hidden_states, attention_mask=attention_mask, **kwargs)
+            cached = decode_cache_kwargs(cache_params, kwargs)
+            if cached is not None or backend is None:
+                return super().forward(hidden_states, attention_mask=attention_mask, **(cached or kwargs))
             return mamba2_forward(self, hidden_states, attention_mask, cu_seqlens, backend=backend)
 
     return KernelMamba2Mixer

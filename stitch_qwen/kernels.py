@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from stitch.accel import (
+    decode_cache_kwargs,
     drop_graphs,
     fla_conv,
     fla_kernels_usable,
@@ -278,10 +279,9 @@ class _FusedGatedDeltaNet:
 
     def forward(self, hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None, **kwargs):
         fla = fla_gdn_functions() if _on_fla(hidden_states) else None
-        if fla is None or cache_params is not None or kwargs.get("cache") is not None:  # `cache` from 5.24 on
-            if cache_params is not None:
-                kwargs["cache_params"] = cache_params
-            return super().forward(hidden_states, attention_mask=attention_mask, **kwargs)
+        cached = decode_cache_kwargs(cache_params, kwargs)
+        if fla is None or cached is not None:
+            return super().forward(hidden_states, attention_mask=attention_mask, **(cached or kwargs))
         if attention_mask is not None:  # transformers' apply_mask_to_padding_states: padding rows carry zeros
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         rows, width, _ = hidden_states.shape

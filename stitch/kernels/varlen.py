@@ -303,3 +303,12 @@ def flatten_packed_rows(decoder: torch.nn.Module) -> None:
     decoder.register_forward_pre_hook(before, with_kwargs=True)
     decoder.register_forward_hook(after, with_kwargs=True)
     decoder._stitch_flatten_packed = True
+
+
+def decode_cache_kwargs(cache_params: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The keyword arguments that hand a recurrent layer's call to transformers' own forward when it carries a
+    decode cache (``cache_params``, or ``cache`` from transformers 5.24 on); None for a call without one, which a
+    plugin's kernel path may take. A cached call must reach transformers: the kernel paths keep no state."""
+    if cache_params is None and kwargs.get("cache") is None:
+        return None
+    return kwargs if cache_params is None else {**kwargs, "cache_params": cache_params}
