@@ -83,8 +83,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"shape": name + (" (narrow)" if tiny else ""), "figures": {
                 "SFT tok/s": round(sft["stitch_tokens_per_s"]), "stock tok/s": _round(sft["stock_tokens_per_s"]),
                 "vs stock": sft.get("vs_stock"), "MFU 6N": sft["mfu_6n"], "MFU LoRA": sft["mfu_lora"],
-                "SFT GiB": sft["peak_gib"], "rollout tok/s": _round(grpo.get("rollout_tokens_per_s")),
-                "generate tok/s": _round(grpo["generate_tokens_per_s"]), "rollout share": grpo.get("rollout_share"),
+                "SFT GiB": sft["peak_gib"], "rollout row-steps/s": _round(grpo.get("rollout_row_steps_per_s")),
+                "generate tok/s": _round(grpo["generate_tokens_per_s"]), "vs generate": grpo.get("rollout_vs_generate"),
+                "rollout share": grpo.get("rollout_share"),
                 "on": (result.get("measured") or {}).get("gpu")}})
     return {"models": results, "rows": rows}
 
@@ -172,7 +173,7 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
     grpo: dict[str, Any] = {"generate_tokens_per_s": None, "allocated_gib_before": allocated_gib()}
     try:  # stitch's GRPO before stock loads anything: its peak is its own
-        grpo.update(stitch_grpo(recipe, run_dir))
+        grpo.update(stitch_grpo(recipe, run_dir, prompts * group))
     except torch.OutOfMemoryError as exc:  # recorded with where the memory was, the other figures still stand
         grpo["error"] = f"OutOfMemoryError: {str(exc)[:300]}"
         grpo["memory"] = torch.cuda.memory_summary(abbreviated=True)[-3000:]
@@ -195,8 +196,8 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         lm = tok = None
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    if grpo.get("generate_tokens_per_s") and grpo.get("rollout_tokens_per_s"):
-        grpo["rollout_vs_generate"] = round(grpo["rollout_tokens_per_s"] / grpo["generate_tokens_per_s"], 2)
+    if grpo.get("generate_tokens_per_s") and grpo.get("rollout_row_steps_per_s"):
+        grpo["rollout_vs_generate"] = round(grpo["rollout_row_steps_per_s"] / grpo["generate_tokens_per_s"], 2)
     log(f"{name} grpo: {json.dumps({k: v for k, v in grpo.items() if k != 'memory'})}")
     result = {"snapshot": str(snapshot), "params": params, "trainable": trainable, "sft": sft, "grpo": grpo}
     log(f"{name}: {json.dumps(result)}")
@@ -205,16 +206,21 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def stitch_grpo(recipe: Path, run_dir: Path) -> dict[str, Any]:
-    """`stitch train grpo` after SFT: medians of the step parts over the steps after the first."""
+def stitch_grpo(recipe: Path, run_dir: Path, rows: int) -> dict[str, Any]:
+    """`stitch train grpo` after SFT: medians of the step parts over the steps after the first. Two rollout rates:
+    sampled tokens a second (completions end at EOS), and row-steps a second (``rows`` x the longest completion:
+    what the decoder ran, comparable with `generate` run to a fixed length)."""
     reset_peak()
     records = harness.train(recipe, "grpo", run_dir)
     timed = records[1:] or records
     parts = {k: statistics.median(r[k] for r in timed) for k in ("rollout_s", "logprob_s", "update_s", "refit_s")}
     step_s = sum(parts.values())
+    summary = json.loads((run_dir / "grpo" / "summary.json").read_text())
     return {**parts, "step_s": step_s, "rollout_share": round(parts["rollout_s"] / step_s, 3),
             "rollout_tokens_per_s": statistics.median(r["rollout_tokens"] / r["rollout_s"] for r in timed),
-            "peak_gib": peak_gib()}
+            "rollout_row_steps_per_s": statistics.median(rows * r["rollout_steps"] / r["rollout_s"] for r in timed),
+            "capped_share": statistics.median(r["capped_share"] for r in timed),
+            "decode_path": summary.get("decode_path"), "peak_gib": peak_gib()}
 
 
 def stock_lm(snapshot: Path, spec: Any, lora: dict[str, Any], settings: Settings, dtype: str) -> tuple[Any, Any]:
@@ -267,7 +273,8 @@ def stock_generate(lm: Any, tok: Any, rows: int, new_tokens: int, args: argparse
     a question), to ``new_tokens`` each; tokens/s (tokens after a row's end are padding, not counted)."""
     lm.eval()
     length = 51 + 24
-    ids = torch.randint(1000, 5000, (rows, length), device=harness.device())
+    vocab = lm.get_input_embeddings().num_embeddings
+    ids = torch.randint(min(1000, vocab // 2), min(5000, vocab), (rows, length), device=harness.device())
     rates = []
     for i in range(2):
         sync()

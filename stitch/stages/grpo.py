@@ -216,8 +216,9 @@ class GRPOStage(Stage):
         self.timings["refit"] += refit_s
         record = {"reward": float(rewards.mean()), "loss": loss_value,
                   "kl": float((kl * mask).sum() / mask.sum().clamp(min=1)), "parity_max_abs_logprob": parity,
-                  "completion_tokens": int(mask.sum()), "capped_share": capped_share, "rollout_tokens": sum(len(c.token_ids) for c in completions),
-                  "rollout_s": rollout_s, "logprob_s": logprob_s, "update_s": update_s, "refit_s": refit_s}
+                  "completion_tokens": int(mask.sum()), "capped_share": capped_share,
+                  "rollout_tokens": sum(len(c.token_ids) for c in completions),
+                  "rollout_steps": max(len(c.token_ids) for c in completions), "rollout_s": rollout_s, "logprob_s": logprob_s, "update_s": update_s, "refit_s": refit_s}
         if drift is not None:
             record["projector_drift"] = drift
         if getattr(self.engine, "refit_bytes", None) is not None:  # engines that count what a refit moved
@@ -253,6 +254,7 @@ class GRPOStage(Stage):
         k = max(1, len(history) // 4)
         out = {
             "engine": self.opts.engine,
+            "decode_path": getattr(self.engine, "decode_path", None),
             "placement": self.opts.placement,
             "task": self.task.name,
             "reward_start": sum(r["reward"] for r in history[:k]) / k if history else None,
