@@ -99,11 +99,24 @@ class StageOptions(Strict):
         "in, or the stage is refused at setup with the arithmetic (docs/recipes.md, Memory); null: the device's own "
         "(a GPU's total memory; on CPU the machine's RAM)")
 
+    profile_steps: tuple[PositiveInt, PositiveInt] | None = Field(
+        None, description="[first, last]: run these optimizer steps under torch.profiler and write <stage>/profile/ "
+        "(trace.json for Perfetto, ops.txt by device time; the top operators in summary.json); null: no profiling")
+
     @model_validator(mode="after")
     def _checkpointing_kinds_named(self) -> StageOptions:
         kinds = self.activation_checkpointing
         if isinstance(kinds, list) and (not kinds or len(set(kinds)) != len(kinds)):
             raise field_error("activation_checkpointing", "a non-empty list of distinct layer kinds", kinds)
+        return self
+
+    @model_validator(mode="after")
+    def _profile_steps_inside_the_stage(self) -> StageOptions:
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            if not first <= last <= self.steps:
+                raise field_error("profile_steps", f"[first, last] with first <= last <= steps={self.steps}",
+                                  list(self.profile_steps))
         return self
 
 

@@ -56,6 +56,7 @@ from stitch.runs.resume import RECIPE_NAME, check_resumable, data_digest
 from stitch.runs.trackers import TrackerSet, check_trackers, open_trackers
 from stitch.stages.distributed import DataParallel, launch_rank, launch_world_size
 from stitch.stages.evaluation import evaluate_accuracy
+from stitch.stages.profiling import StepProfiler
 from stitch.stages.registry import STAGES
 from stitch.stages.session import StitchSession
 
@@ -182,6 +183,7 @@ class StageContext:
     progress: bool = True
     t_start: float = 0.0
     trackers: TrackerSet | None = None  # the recipe's report_to, on rank 0
+    profiler: StepProfiler | None = None  # the recipe's profile_steps, on rank 0
 
     @property
     def layout(self) -> RunLayout:
@@ -406,11 +408,17 @@ def train(ctx: StageContext, max_steps: int | None = None) -> None:
     ctx.model.train()
     ctx.t_start = time.perf_counter()
     bar = progress(total, ctx.name, enabled=ctx.progress and ctx.dp.is_main, initial=ctx.step, dynamic_ncols=True)
+    if opts.profile_steps is not None and ctx.dp.is_main:
+        ctx.profiler = StepProfiler(opts.profile_steps, ctx.layout.stage_dir(ctx.name) / "profile")
     while ctx.step < total:
         lrs = ctx.scheduler.get_last_lr()  # the rates this step trains with
+        if ctx.profiler is not None:
+            ctx.profiler.before(ctx.step + 1)
         record = ctx.runner.step(ctx)
         ctx.scheduler.step()
         ctx.step += 1
+        if ctx.profiler is not None:
+            ctx.profiler.after(ctx.step)
         record = {"step": ctx.step, **record, "grad_norm": ctx.grad_norm,
                   **{f"lr_{g['name']}": lr for g, lr in zip(ctx.groups, lrs, strict=True)}}
         if opts.eval_partition and opts.eval_every and ctx.step % opts.eval_every == 0 and ctx.step < total:
@@ -483,6 +491,8 @@ def summarize(ctx: StageContext) -> dict[str, Any]:
     }
     if ctx.warm_start is not None:
         summary["donor"] = str(ctx.warm_start)
+    if ctx.profiler is not None and ctx.profiler.result is not None:
+        summary["profile"] = ctx.profiler.result
     summary.update(ctx.runner.summary(ctx, history))
     if ctx.dp.active:
         summary["world_size"] = ctx.dp.world_size
