@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpo-steps", type=int, default=None, help="timed GRPO steps (default 3; tiny 1)")
     p.add_argument("--skip-stock", action="store_true", help="stitch only (no stock SFT/generate)")
     p.add_argument("--keep", action="store_true", help="keep each snapshot after its run")
+    p.add_argument("--profile", action="store_true", help="two more SFT steps and one more GRPO step under the "
+                   "stages' profile_steps (not timed); their top operators go into the JSON")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,20 +146,26 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     lora = {"r": 16, "alpha": 32, "dropout": 0.0}
     prompts, group, new_tokens = (2, 2, 16) if tiny else (8, 8, 128)
     grpo_steps = args.grpo_steps or (1 if tiny else 3)
+    sft_steps = args.warmup + args.steps
+    extra = {"sft": 2, "grpo": 1} if args.profile else {"sft": 0, "grpo": 0}
     stages = {
         "alignment": {"partition": "alignment", "steps": 1, "batch_size": 1, "token_budget": settings.budget},
-        "sft": {"partition": "train", "steps": args.warmup + args.steps, "batch_size": settings.batch,
+        "sft": {"partition": "train", "steps": sft_steps + extra["sft"], "batch_size": settings.batch,
                 "micro_batch_size": settings.micro, "token_budget": settings.budget, "lora": lora,
                 "activation_checkpointing": settings.checkpointing, "buffer_size": 256},
-        "grpo": {"partition": "grpo", "steps": 1 + grpo_steps, "prompts_per_step": prompts, "group_size": group,
+        "grpo": {"partition": "grpo", "steps": 1 + grpo_steps + extra["grpo"], "prompts_per_step": prompts,
+                 "group_size": group,
                  "max_new_tokens": new_tokens, "micro_batch_size": settings.grpo_micro, "temperature": 1.0, "lora": lora,
                  "activation_checkpointing": settings.checkpointing}}
+    if args.profile:  # the profiled steps come after the timed ones and are left out of the medians
+        stages["sft"]["profile_steps"] = [sft_steps + 1, sft_steps + 2]
+        stages["grpo"]["profile_steps"] = [2 + grpo_steps] * 2
     recipe = harness.write_recipe(work, shape, data, n, stages, snapshot=snapshot)
     run_dir = work / "run"
     harness.prepare(recipe, run_dir)
     harness.train(recipe, "alignment", run_dir)
     reset_peak()
-    sft_records = harness.train(recipe, "sft", run_dir)
+    sft_records = harness.train(recipe, "sft", run_dir)[:sft_steps]
     sft_peak = peak_gib()
     summary = json.loads((run_dir / "sft" / "summary.json").read_text())
     trainable = summary["trainable_parameters"]["adapter"] + summary["trainable_parameters"]["projector"]
@@ -169,11 +177,13 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
            "tokens_per_optimizer_step": harness.median_after(sft_records, "tokens", args.warmup),
            "settings": dataclasses.asdict(settings), "peak_gib": sft_peak, **mfu(flops, stitch_tps),
            "stock_tokens_per_s": None}
+    if "profile" in summary:
+        sft["profile_top"] = summary["profile"]["top"]
     log(f"{name} sft: {json.dumps(sft)}")
     gc.collect()
     grpo: dict[str, Any] = {"generate_tokens_per_s": None, "allocated_gib_before": allocated_gib()}
     try:  # stitch's GRPO before stock loads anything: its peak is its own
-        grpo.update(stitch_grpo(recipe, run_dir, prompts * group))
+        grpo.update(stitch_grpo(recipe, run_dir, prompts * group, 1 + grpo_steps))
     except torch.OutOfMemoryError as exc:  # recorded with where the memory was, the other figures still stand
         grpo["error"] = f"OutOfMemoryError: {str(exc)[:300]}"
         grpo["memory"] = torch.cuda.memory_summary(abbreviated=True)[-3000:]
@@ -206,13 +216,14 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def stitch_grpo(recipe: Path, run_dir: Path, rows: int) -> dict[str, Any]:
+def stitch_grpo(recipe: Path, run_dir: Path, rows: int, timed_steps: int) -> dict[str, Any]:
     """`stitch train grpo` after SFT: medians of the step parts over the steps after the first. Two rollout rates:
     sampled tokens a second (completions end at EOS), and row-steps a second (``rows`` x the longest completion:
-    what the decoder ran, comparable with `generate` run to a fixed length)."""
+    what the decoder ran, comparable with `generate` run to a fixed length). Steps past ``timed_steps`` are the
+    profiled ones."""
     reset_peak()
     records = harness.train(recipe, "grpo", run_dir)
-    timed = records[1:] or records
+    timed = records[1:timed_steps] or records
     parts = {k: statistics.median(r[k] for r in timed) for k in ("rollout_s", "logprob_s", "update_s", "refit_s")}
     step_s = sum(parts.values())
     summary = json.loads((run_dir / "grpo" / "summary.json").read_text())
@@ -220,7 +231,8 @@ def stitch_grpo(recipe: Path, run_dir: Path, rows: int) -> dict[str, Any]:
             "rollout_tokens_per_s": statistics.median(r["rollout_tokens"] / r["rollout_s"] for r in timed),
             "rollout_row_steps_per_s": statistics.median(rows * r["rollout_steps"] / r["rollout_s"] for r in timed),
             "capped_share": statistics.median(r["capped_share"] for r in timed),
-            "decode_path": summary.get("decode_path"), "peak_gib": peak_gib()}
+            "decode_path": summary.get("decode_path"), "peak_gib": peak_gib(),
+            **({"profile_top": summary["profile"]["top"]} if "profile" in summary else {})}
 
 
 def stock_lm(snapshot: Path, spec: Any, lora: dict[str, Any], settings: Settings, dtype: str) -> tuple[Any, Any]:
