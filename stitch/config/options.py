@@ -58,6 +58,11 @@ def _mixture(value: Any) -> Any:
         return {value: 1.0}
     if isinstance(value, dict) and not value:
         raise field_error("", "a partition name or a non-empty mapping {partition: weight}", value)
+    if isinstance(value, dict):
+        for name, weight in value.items():
+            number = _number_text(weight)
+            if isinstance(number, bool) or not isinstance(number, int | float) or not 0 < number < math.inf:
+                raise field_error(str(name), "a positive number (the partition's weight in the mixture)", weight)
     return value
 
 

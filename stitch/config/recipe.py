@@ -106,7 +106,9 @@ class Recipe:
                 for name, ds in self.dataset_options.items()}}),
             "parallel": None if self.parallel is None else _adapter(ParallelConfig).dump_python(self.parallel,
                                                                                                 mode="json"),
-            "stages": {name: opts.model_dump(mode="json") for name, opts in self.stages.items()},
+            # a stage's data mixture stands for its partition: the one the stage reads is dumped
+            "stages": {name: opts.model_dump(mode="json", exclude={"partition"} if opts.data is not None else None)
+                       for name, opts in self.stages.items()},
         }
 
     def resolved_yaml(self) -> str:

@@ -177,6 +177,16 @@ class RecipeFile(Strict):
     parallel: ParallelConfig | None = Field(None, description="launch layout; null: one process")
     stages: StagesConfig = Field(default_factory=StagesConfig, description="stage name -> options")  # type: ignore[valid-type]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _source_or_datasets(cls, value: Any) -> Any:
+        """A source under data beside datasets is refused before data's own checks ask for its columns."""
+        data = value.get("data") if isinstance(value, dict) else None
+        if isinstance(data, dict) and data.get("source") is not None and value.get("datasets") is not None:
+            raise field_error("data.source", "null in a recipe that declares datasets (move it to "
+                                             "datasets.<name>.source)", data["source"])
+        return value
+
     @model_validator(mode="after")
     def _one_data_source(self) -> RecipeFile:
         if self.datasets is None and self.data.source is None:
