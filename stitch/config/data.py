@@ -36,7 +36,7 @@ from stitch.config.options import (
 )
 
 FeatureDtype = Literal["float16", "bfloat16", "float32"]
-SourceFormat = Literal["parquet", "json", "imagefolder"]
+SourceFormat = Literal["parquet", "arrow", "json", "imagefolder"]
 BuiltinDataset = Literal["counting-shapes", "shape-colors"]
 OnCorrupt = Literal["error", "skip"]
 CompileChoice = Literal["auto", "always", "never"]
