@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from stitch.config.data import BuiltinSource, DataConfig, LocalSource
+from stitch.config.data import BuiltinSource, LocalSource
 from stitch.config.recipe import Recipe
+from stitch.data.dataset_scan import DatasetDecoders, DatasetScan
 from stitch.data.feature_cache import (
     CACHE_DIRNAME,
     MANIFEST_NAME,
@@ -36,7 +37,6 @@ from stitch.data.feature_cache import (
 )
 from stitch.data.rows import (
     BudgetExceeded,
-    DatasetDecoders,
     InvalidRow,
     MediaDecoder,
     PendingRow,
@@ -118,35 +118,6 @@ class PrepareReport:
 # -- the run --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Dataset:
-    """One dataset's part of a preparation: its complete config, row checks, manifest lines and counts."""
-
-    name: str
-    index: int  # its place in the recipe: which ``DatasetDecoders`` decoder its rows' jobs name
-    data: DataConfig
-    prompts: PromptCheck
-    decoder: RowDecoder
-    lines: ManifestLines
-    named: bool  # the recipe declares ``datasets``: row ids and errors carry the dataset's name
-    rows_scanned: int = 0
-    rows_unassigned: int = 0
-    skipped: list[dict[str, Any]] = field(default_factory=list)
-    items: int = 0  # media references of its written rows
-    items_shared: int = 0  # of them, those whose features an earlier row already had
-
-    @property
-    def where(self) -> str:
-        """How an error names this dataset: its field path under ``datasets``, nothing for a single source."""
-        return f"datasets.{self.name}: " if self.named else ""
-
-    def report(self, rows_written: Mapping[str, int]) -> dict[str, Any]:
-        rows = {p.name: rows_written[p.name] for p in self.data.partitions or ()}
-        return {"source": self.data.source.describe() if self.data.source else None, "rows": rows,
-                "rows_scanned": self.rows_scanned, "rows_unassigned": self.rows_unassigned,
-                "skipped": len(self.skipped), "items": self.items, "items_shared": self.items_shared}
-
-
 class _Preparation:
     def __init__(
         self, recipe: Recipe, out_dir: Path, spec: EncoderSpec, encoder: Any, device: str, progress: bool,
@@ -177,7 +148,7 @@ class _Preparation:
         self.rows_written: dict[str, int] = {p.name: 0 for p in recipe.partitions}
         named = recipe.dataset_options is not None
         self.datasets = [
-            _Dataset(name, index, data, prompts[name],
+            DatasetScan(name, index, data, prompts[name],
                      RowDecoder(prompts[name], MediaDecoder(media_paths(data), spec.decode_item, self.preprocess)),
                      ManifestLines(spec.tokens_per_item, spec.feature_width, self.data.feature_dtype,
                                    {**self.provenance, "dataset": data.source.describe()}), named)  # type: ignore[union-attr]
@@ -194,7 +165,7 @@ class _Preparation:
         # shards not yet in the manifest: (name or None when every item was already cached, rows, digest or its
         # future, estimated bytes, each row's (shard, index) per item, dataset)
         self.writes: deque[tuple[str | None, list[PendingRow], Future | str, int, list[list[tuple[str, int]]],
-                                 _Dataset]] = deque()
+                                 DatasetScan]] = deque()
         self.writer: ThreadPoolExecutor | None = None
         self.encoding: ThreadPoolExecutor | None = None  # the encode thread (ShardEncoder)
         self.encode_failed = False  # set by the encode thread: no shard after a failed one is encoded or written
@@ -245,7 +216,7 @@ class _Preparation:
     def rows_scanned(self) -> int:
         return sum(ds.rows_scanned for ds in self.datasets)
 
-    def scanned_rows(self, ds: _Dataset, stream: Iterable[Mapping[str, Any]]) -> Iterator[ScannedRow]:
+    def scanned_rows(self, ds: DatasetScan, stream: Iterable[Mapping[str, Any]]) -> Iterator[ScannedRow]:
         """Rows of ``ds`` in stream order with their text checked; an error is kept with its row, raised when the
         run reaches it (rows read ahead for the decode workers must not change what is reported, or when). Under
         ``datasets`` a row id is ``<dataset>:<id>``: ids stay unique in the one manifest."""
@@ -260,7 +231,7 @@ class _Preparation:
                     row.id = f"{ds.name}:{row.id}"
             yield row
 
-    def decoded_rows(self, ds: _Dataset, rows: Iterator[ScannedRow],
+    def decoded_rows(self, ds: DatasetScan, rows: Iterator[ScannedRow],
                      decoding: ChunkDecoding) -> Iterator[tuple[ScannedRow, Any, Any]]:
         """Each scanned row with its token counts (``PromptCheck.measure``) and media result (``(hashes, items)``
         or ``(kind, reason)``; None when its conversation does not tokenize), both None after a text error, in
@@ -272,7 +243,7 @@ class _Preparation:
             for row in chunk:
                 yield (row, None, None) if row.error else (row, next(measured), next(results))
 
-    def valid_rows(self, ds: _Dataset, stream: Iterable[Mapping[str, Any]],
+    def valid_rows(self, ds: DatasetScan, stream: Iterable[Mapping[str, Any]],
                    decoding: ChunkDecoding) -> Iterator[PendingRow]:
         """Selected rows of ``ds`` in stream order; invalid rows are raised or skipped, never given an ordinal."""
         data = ds.data
@@ -332,7 +303,7 @@ class _Preparation:
         if pending:
             yield pending
 
-    def flush(self, ds: _Dataset, rows: list[PendingRow], manifest: Any, bar: Any) -> None:
+    def flush(self, ds: DatasetScan, rows: list[PendingRow], manifest: Any, bar: Any) -> None:
         """Encode the shard of the rows' items not yet in the cache, unless that shard exists; its file is written
         by the writer thread while the next shard is decoded and encoded, and its rows reach the manifest, in
         order, once the file is in place. An item an earlier row of this run already placed (same content, any
@@ -430,7 +401,7 @@ class _Preparation:
                 self.record_shard(manifest, name, rows, digest, places, ds)
 
     def record_shard(self, manifest: Any, name: str | None, rows: list[PendingRow], digest: str,
-                     places: list[list[tuple[str, int]]], ds: _Dataset) -> None:
+                     places: list[list[tuple[str, int]]], ds: DatasetScan) -> None:
         """The manifest lines of one written shard's rows (``name`` None: rows whose items were all cached before),
         in order; each item's key names the shard that holds it, this one or an earlier one."""
         if name is not None:

@@ -538,18 +538,6 @@ class RowDecoder:
 
 
 
-@dataclass(frozen=True)
-class DatasetDecoders:
-    """The ``RowDecoder`` of each dataset of one preparation behind one worker pool (forked once, before the run's
-    threads): a chunk's jobs come from one dataset, whose index leads each job."""
-
-    decoders: tuple[RowDecoder, ...]
-
-    def rows(self, chunk: list[tuple[Any, ...]], slots: SharedSlots | None = None,
-             slot: int | None = None) -> tuple[list[Any], list[Any], Any, tuple[float, float]]:
-        """``RowDecoder.rows`` of the chunk's dataset on its jobs."""
-        return self.decoders[chunk[0][0]].rows([job[1:] for job in chunk], slots, slot)
-
 # -- shards ---------------------------------------------------------------------------------------------
 
 
