@@ -233,6 +233,11 @@ def _partitions(value: Any) -> tuple[Partition, ...]:
     return tuple(parts)
 
 
+Partitions = Annotated[
+    tuple[Partition, ...], BeforeValidator(_partitions, json_schema_input_type=dict[str, tuple[int, int]])
+]
+
+
 @dataclass(frozen=True, config=STRICT_DATACLASS)
 class Budgets:
     """Memory bounds of preparation: what may be in flight, and what the feature cache may keep."""
@@ -287,10 +292,8 @@ class DataConfig:
     source: DataSource | None = Field(None, description="exactly one of builtin / path / hub (null: the recipe "
                                                         "declares datasets instead)")
     columns: ColumnMapping | None = Field(None, description="dataset column names (with source)")
-    partitions: Annotated[
-        tuple[Partition, ...] | None,
-        BeforeValidator(_partitions_or_none, json_schema_input_type=dict[str, tuple[int, int]] | None),
-    ] = Field(None, description="name -> [start, end) valid-row ordinals; non-overlapping (with source)")
+    partitions: Partitions | None = Field(None, description="name -> [start, end) valid-row ordinals; "
+                                                             "non-overlapping (with source)")
     scan_cap: PositiveInt | None = Field(None, description="rows scanned at most (valid or not); at least the last "
                                                            "partition end (with source)")
     budgets: Budgets = Field(description="memory bounds of preparation (of every dataset together)")
@@ -362,10 +365,6 @@ class DataConfig:
                                  else dataset.allow_paths_outside))
 
 
-def _partitions_or_none(value: Any) -> tuple[Partition, ...] | None:
-    return None if value is None else _partitions(value)
-
-
 @dataclass(frozen=True, config=STRICT_DATACLASS)
 class DatasetConfig:
     """One named dataset of a recipe's ``datasets``: its source, columns, the valid rows it takes (``rows``, or
@@ -375,11 +374,8 @@ class DatasetConfig:
     columns: ColumnMapping = Field(description="dataset column names")
     rows: PositiveInt | None = Field(None, description="the first N valid rows, one partition named after the "
                                                        "dataset (instead of partitions)")
-    partitions: Annotated[
-        tuple[Partition, ...] | None,
-        BeforeValidator(_partitions_or_none, json_schema_input_type=dict[str, tuple[int, int]] | None),
-    ] = Field(None, description="name -> [start, end) valid-row ordinals, each named <dataset>.<name> "
-                                "(instead of rows)")
+    partitions: Partitions | None = Field(None, description="name -> [start, end) valid-row ordinals, each named "
+                                                             "<dataset>.<name> (instead of rows)")
     scan_cap: PositiveInt | None = Field(None, description="rows scanned at most (valid or not); null: exactly "
                                                            "the rows the partitions need (no row may be invalid)")
     on_corrupt: OnCorrupt | None = Field(None, description="a corrupt row stops preparation, or is skipped and "

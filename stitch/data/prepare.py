@@ -149,9 +149,10 @@ class _Preparation:
         named = recipe.dataset_options is not None
         self.datasets = [
             DatasetScan(name, index, data, prompts[name],
-                     RowDecoder(prompts[name], MediaDecoder(media_paths(data), spec.decode_item, self.preprocess)),
-                     ManifestLines(spec.tokens_per_item, spec.feature_width, self.data.feature_dtype,
-                                   {**self.provenance, "dataset": data.source.describe()}), named)  # type: ignore[union-attr]
+                        RowDecoder(prompts[name], MediaDecoder(media_paths(data), spec.decode_item, self.preprocess)),
+                        ManifestLines(spec.tokens_per_item, spec.feature_width, self.data.feature_dtype,
+                                      {**self.provenance, "dataset": data.source.describe()}),  # type: ignore[union-attr]
+                        named)
             for index, (name, data) in enumerate(recipe.datasets.items())]
         self.decoder = DatasetDecoders(tuple(ds.decoder for ds in self.datasets))
         # content hash -> (shard, index) of every item this run placed in the cache: a later row with the same
