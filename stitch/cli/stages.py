@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,19 @@ def _print_completions(rows: list[dict[str, Any]] | None) -> None:
     print_table(table)
 
 
+def prepared_notes(report: dict[str, Any]) -> str:
+    """Rows per dataset and the media items shared between rows (encoded once), for a table's cell."""
+    rows = "; ".join(f"{name} {sum(info['rows'].values())} rows" for name, info in report.get("datasets", {}).items())
+    return f"{rows}; {report.get('items_encoded', 0)} items encoded, {report.get('items_shared', 0)} shared"
+
+
+def mixture_notes(mixture: dict[str, Any] | None) -> str:
+    """A stage's realised data mixture (``{partition: {weight, drawn, share}}``), when it draws from several."""
+    if not mixture or len(mixture) < 2:
+        return ""
+    return "; drew " + ", ".join(f"{name} {m['share']:.0%} (weight {m['weight']:.0%})" for name, m in mixture.items())
+
+
 @app.command()
 def run(
     recipe: str = typer.Argument("demo", help="A registered recipe name or a YAML path (omit it to run `demo`, "
@@ -98,6 +112,9 @@ def run(
                 notes += f"; all groups scored alike for {info['flat_reward_steps_max']} steps in a row"
         elif "loss_first" in info and info["loss_first"] is not None:
             notes = f"loss {info['loss_first']:.3f} -> {info['loss_last']:.3f}"
+        elif stage == "prepare":
+            notes = prepared_notes(info)
+        notes += mixture_notes(info.get("data"))
         acc = info.get("eval_accuracy")
         table.add_row(stage, str(info.get("seconds", "")), "-" if acc is None else f"{acc:.1%}", notes)
     print_table(table)
@@ -141,6 +158,8 @@ def prepare(
     report = prepare_data(loaded, binding, out, device=device)  # a refusal leaves through the CLI's error boundary
     table = wrapping_table(f"prepare {loaded.name} -> {out}", "field", "value")
     table.add_row("rows", ", ".join(f"{k}={v}" for k, v in report.rows.items()))
+    if len(report.datasets) > 1 or report.items_shared:
+        table.add_row("datasets", prepared_notes(dataclasses.asdict(report)))
     table.add_row("scanned / skipped", f"{report.rows_scanned} / {len(report.skipped)}")
     table.add_row("shards encoded / reused", f"{report.shards_encoded} / {report.shards_reused}")
     table.add_row("peak transient", f"{report.peak_transient_bytes / 2**20:.2f} MiB (budget {loaded.data.budgets.transient_mib})")

@@ -1,8 +1,10 @@
 """The data section of a recipe: where rows come from (a builtin generator, a local path or a pinned hub dataset),
-which columns matter, how valid rows split into named partitions, and preparation's memory bounds and workers."""
+which columns matter, how valid rows split into named partitions, and preparation's memory bounds and workers; or
+several named datasets (``datasets:``), each with its own source, columns and row checks, prepared into one cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -34,7 +36,7 @@ from stitch.config.options import (
 )
 
 FeatureDtype = Literal["float16", "bfloat16", "float32"]
-SourceFormat = Literal["parquet", "json", "imagefolder"]
+SourceFormat = Literal["parquet", "arrow", "json", "imagefolder"]
 BuiltinDataset = Literal["counting-shapes", "shape-colors"]
 OnCorrupt = Literal["error", "skip"]
 CompileChoice = Literal["auto", "always", "never"]
@@ -231,6 +233,11 @@ def _partitions(value: Any) -> tuple[Partition, ...]:
     return tuple(parts)
 
 
+Partitions = Annotated[
+    tuple[Partition, ...], BeforeValidator(_partitions, json_schema_input_type=dict[str, tuple[int, int]])
+]
+
+
 @dataclass(frozen=True, config=STRICT_DATACLASS)
 class Budgets:
     """Memory bounds of preparation: what may be in flight, and what the feature cache may keep."""
@@ -278,16 +285,18 @@ class PrepareOptions:
 
 @dataclass(frozen=True, config=STRICT_DATACLASS)
 class DataConfig:
-    """Where rows come from, which columns matter, how they split into partitions, and preparation's bounds."""
+    """Where rows come from, which columns matter, how they split into partitions, and preparation's bounds. In a
+    recipe that declares ``datasets``, only the shared fields are set here (budgets, feature dtype, batch and shard
+    sizes, decode workers; on_corrupt and allow_paths_outside as the datasets' defaults)."""
 
-    source: DataSource = Field(description="exactly one of builtin / path / hub")
-    columns: ColumnMapping = Field(description="dataset column names")
-    partitions: Annotated[
-        tuple[Partition, ...],
-        BeforeValidator(_partitions, json_schema_input_type=dict[str, tuple[int, int]]),
-    ] = Field(description="name -> [start, end) valid-row ordinals; non-overlapping")
-    scan_cap: PositiveInt = Field(description="rows scanned at most (valid or not); at least the last partition end")
-    budgets: Budgets = Field(description="memory bounds of preparation")
+    source: DataSource | None = Field(None, description="exactly one of builtin / path / hub (null: the recipe "
+                                                        "declares datasets instead)")
+    columns: ColumnMapping | None = Field(None, description="dataset column names (with source)")
+    partitions: Partitions | None = Field(None, description="name -> [start, end) valid-row ordinals; "
+                                                             "non-overlapping (with source)")
+    scan_cap: PositiveInt | None = Field(None, description="rows scanned at most (valid or not); at least the last "
+                                                           "partition end (with source)")
+    budgets: Budgets = Field(description="memory bounds of preparation (of every dataset together)")
     on_corrupt: OnCorrupt = Field("error", description="a corrupt row stops preparation, or is "
                                                                        "skipped and reported")
     feature_dtype: FeatureDtype = Field("float32", description="feature cache dtype")
@@ -299,11 +308,22 @@ class DataConfig:
                                                                                 "compilation of stitch prepare")
 
     @field_serializer("partitions")
-    def _partitions_as_mapping(self, parts: tuple[Partition, ...]) -> dict[str, list[int]]:
-        return {p.name: [p.start, p.end] for p in parts}
+    def _partitions_as_mapping(self, parts: tuple[Partition, ...] | None) -> dict[str, list[int]] | None:
+        return None if parts is None else {p.name: [p.start, p.end] for p in parts}
 
     @model_validator(mode="after")
     def _enough_rows(self) -> DataConfig:
+        if self.source is None:
+            for key in ("columns", "partitions", "scan_cap"):
+                if getattr(self, key) is not None:
+                    raise field_error(key, "null without data.source (each dataset under datasets names its own)",
+                                      getattr(self, key))
+            return self
+        for key, expected in (("columns", "the dataset's column names, e.g. {media: image, question: q, answer: a}"),
+                              ("partitions", "a mapping of partition name to [start, end), e.g. {sft: [0, 320]}"),
+                              ("scan_cap", "the rows scanned at most (at least the last partition's end)")):
+            if getattr(self, key) is None:
+                raise field_error(key, f"{expected} beside data.source")
         need = self.rows_needed
         if self.scan_cap < need:
             raise field_error("scan_cap", f"at least {need} (partitions end at valid row {need})", self.scan_cap)
@@ -315,16 +335,82 @@ class DataConfig:
     @property
     def rows_needed(self) -> int:
         """Valid rows the scan must find: the end of the last partition."""
-        return max(p.end for p in self.partitions)
+        return max(p.end for p in self.partitions or ())
 
     def partition_of(self, ordinal: int) -> Partition | None:
-        for part in self.partitions:
+        for part in self.partitions or ():
             if ordinal in part:
                 return part
         return None
 
     def partition(self, name: str) -> Partition:
-        for part in self.partitions:
+        for part in self.partitions or ():
             if part.name == name:
                 return part
-        raise KeyError(f"no partition {name!r}; the recipe has {', '.join(p.name for p in self.partitions)}")
+        raise KeyError(f"no partition {name!r}; the recipe has {', '.join(p.name for p in self.partitions or ())}")
+
+    def with_dataset(self, name: str, dataset: DatasetConfig) -> DataConfig:
+        """The complete single-source config of one named dataset: its own source, columns, row checks and
+        partitions (named ``<dataset>`` for ``rows: N``, ``<dataset>.<partition>`` otherwise), and this config's
+        shared preparation fields."""
+        if dataset.partitions is None:
+            parts: tuple[Partition, ...] = (Partition(name, 0, dataset.rows),)  # type: ignore[arg-type]
+        else:
+            parts = tuple(Partition(f"{name}.{p.name}", p.start, p.end) for p in dataset.partitions)
+        return dataclasses.replace(
+            self, source=dataset.source, columns=dataset.columns, partitions=parts,
+            scan_cap=dataset.scan_cap or max(p.end for p in parts),
+            on_corrupt=dataset.on_corrupt or self.on_corrupt,
+            allow_paths_outside=(self.allow_paths_outside if dataset.allow_paths_outside is None
+                                 else dataset.allow_paths_outside))
+
+
+@dataclass(frozen=True, config=STRICT_DATACLASS)
+class DatasetConfig:
+    """One named dataset of a recipe's ``datasets``: its source, columns, the valid rows it takes (``rows``, or
+    named ``partitions``) and its row checks; stages name it in ``stages.<stage>.data``."""
+
+    source: DataSource = Field(description="exactly one of builtin / path / hub")
+    columns: ColumnMapping = Field(description="dataset column names")
+    rows: PositiveInt | None = Field(None, description="the first N valid rows, one partition named after the "
+                                                       "dataset (instead of partitions)")
+    partitions: Partitions | None = Field(None, description="name -> [start, end) valid-row ordinals, each named "
+                                                             "<dataset>.<name> (instead of rows)")
+    scan_cap: PositiveInt | None = Field(None, description="rows scanned at most (valid or not); null: exactly "
+                                                           "the rows the partitions need (no row may be invalid)")
+    on_corrupt: OnCorrupt | None = Field(None, description="a corrupt row stops preparation, or is skipped and "
+                                                           "reported; null: data.on_corrupt")
+    allow_paths_outside: Flag | None = Field(None, description="media paths may leave the source's directory; "
+                                                               "null: data.allow_paths_outside")
+
+    @field_serializer("partitions")
+    def _partitions_as_mapping(self, parts: tuple[Partition, ...] | None) -> dict[str, list[int]] | None:
+        return None if parts is None else {p.name: [p.start, p.end] for p in parts}
+
+    @model_validator(mode="after")
+    def _rows_given(self) -> DatasetConfig:
+        if (self.rows is None) == (self.partitions is None):
+            raise field_error("rows", "exactly one of rows (the first N valid rows) or partitions "
+                                      "({name: [start, end)})", {"rows": self.rows, "partitions": self.partitions})
+        for part in self.partitions or ():
+            if "." in part.name:
+                raise field_error(f"partitions.{part.name}", "a partition name without '.' (stages name it "
+                                                             "<dataset>.<partition>)", part.name)
+        need = self.rows or max(p.end for p in self.partitions or ())
+        if self.scan_cap is not None and self.scan_cap < need:
+            raise field_error("scan_cap", f"at least {need} (partitions end at valid row {need})", self.scan_cap)
+        if isinstance(self.source, BuiltinSource) and self.source.rows < need:
+            raise field_error("source.rows", f"at least {need} (partitions end at valid row {need})",
+                              self.source.rows)
+        return self
+
+
+DATASET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")  # no '.': <dataset>.<partition> names a partition
+
+
+def complete_datasets(data: DataConfig, datasets: Mapping[str, DatasetConfig] | None) -> dict[str, DataConfig]:
+    """Each dataset as one complete single-source config (``DataConfig.with_dataset``), in recipe order; a recipe
+    without ``datasets`` has one, its ``data``, named ``data``."""
+    if datasets is None:
+        return {"data": data}
+    return {name: data.with_dataset(name, ds) for name, ds in datasets.items()}

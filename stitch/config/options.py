@@ -51,6 +51,23 @@ def _layer_entry(value: Any) -> Any:
 
 LayerEntry = Annotated[NonNegativeInt | Text, BeforeValidator(_layer_entry)]
 
+
+def _mixture(value: Any) -> Any:
+    """A stage's ``data``: one partition name is short for ``{name: 1}``."""
+    if isinstance(value, str):
+        return {value: 1.0}
+    if isinstance(value, dict) and not value:
+        raise field_error("", "a partition name or a non-empty mapping {partition: weight}", value)
+    if isinstance(value, dict):
+        for name, weight in value.items():
+            number = _number_text(weight)
+            if isinstance(number, bool) or not isinstance(number, int | float) or not 0 < number < math.inf:
+                raise field_error(str(name), "a positive number (the partition's weight in the mixture)", weight)
+    return value
+
+
+Mixture = Annotated[dict[Text, PositiveNumber], BeforeValidator(_mixture, json_schema_input_type=str | dict[str, float])]
+
 STRICT_CONFIG = ConfigDict(extra="forbid", frozen=True)
 STRICT_DATACLASS = ConfigDict(extra="forbid")  # the same for pydantic dataclasses (frozen by their decorator)
 
@@ -81,6 +98,10 @@ class StageOptions(Strict):
     save_every: PositiveInt = Field(50, description="checkpoint every N steps (and at the last step)")
     keep_checkpoints: PositiveInt = Field(2, description="step directories kept under checkpoints/")
     partition: Text = Field("train", description="data partition the stage trains on (a name under data.partitions)")
+    data: Mixture | None = Field(
+        None, description="what the stage trains on: a partition (a dataset under datasets, or <dataset>.<partition>)"
+        " or a weighted mixture {partition: weight}, drawn in proportion to the weights (seeded, resumed exactly); "
+        "null: partition")
     eval_partition: Text | None = Field("eval", description="partition graded at the end; null: no evaluation")
     eval_rows: PositiveInt = Field(64, description="rows of eval_partition graded")
     eval_every: NonNegativeInt = Field(0, description="also evaluate every N steps (0: only at the end)")
@@ -102,6 +123,20 @@ class StageOptions(Strict):
     profile_steps: tuple[PositiveInt, PositiveInt] | None = Field(
         None, description="[first, last]: run these optimizer steps under torch.profiler and write <stage>/profile/ "
         "(trace.json for Perfetto, ops.txt by device time; the top operators in summary.json); null: no profiling")
+
+    @property
+    def mixture(self) -> dict[str, float]:
+        """The partitions this stage trains on, each with its share (the shares sum to 1)."""
+        weights = self.data or {self.partition: 1.0}
+        total = sum(weights.values())
+        return {name: weight / total for name, weight in weights.items()}
+
+    @model_validator(mode="after")
+    def _one_data_field(self) -> StageOptions:
+        if self.data is not None and "partition" in self.model_fields_set:
+            raise field_error("data", "either data or partition, not both (data names a partition or a mixture)",
+                              self.data)
+        return self
 
     @model_validator(mode="after")
     def _checkpointing_kinds_named(self) -> StageOptions:

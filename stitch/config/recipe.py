@@ -17,7 +17,16 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from stitch.config.data import BuiltinSource, DataConfig, DataSource, HubSource, LocalSource
+from stitch.config.data import (
+    BuiltinSource,
+    DataConfig,
+    DatasetConfig,
+    DataSource,
+    HubSource,
+    LocalSource,
+    Partition,
+    complete_datasets,
+)
 from stitch.config.describe import format_validation_error, short_repr
 from stitch.config.options import StageOptions
 from stitch.config.schema import DEFAULT_TASK, ParallelConfig, RecipeFile, TaskConfig, declared_stages
@@ -55,6 +64,18 @@ class Recipe:
     task: TaskConfig = field(default_factory=lambda: TaskConfig(name=DEFAULT_TASK))
     model_snapshot: Path | None = None  # read the model from this local snapshot instead of its hub source
     model_backend: str = "transformers"  # the LM implementation (ModelSpec.backends)
+    dataset_options: dict[str, DatasetConfig] | None = None  # the recipe's ``datasets``, as written
+
+    @property
+    def datasets(self) -> dict[str, DataConfig]:
+        """Each dataset as a complete single-source config with its partitions' stage-facing names, in recipe
+        order; a recipe with one ``data.source`` has one, named ``data``."""
+        return complete_datasets(self.data, self.dataset_options)
+
+    @property
+    def partitions(self) -> tuple[Partition, ...]:
+        """Every partition of every dataset: the names stages train on and are graded on."""
+        return tuple(p for data in self.datasets.values() for p in data.partitions or ())
 
     def stage_options(self, name: str) -> StageOptions:
         """The typed options of a stage this recipe declares; RecipeError naming the stage otherwise."""
@@ -80,9 +101,14 @@ class Recipe:
             "task": self.task.name if self.task.reward is None else _adapter(TaskConfig).dump_python(
                 self.task, mode="json", exclude_none=True),
             "data": _adapter(DataConfig).dump_python(self.data, mode="json"),
+            **({} if self.dataset_options is None else {"datasets": {
+                name: _adapter(DatasetConfig).dump_python(ds, mode="json")
+                for name, ds in self.dataset_options.items()}}),
             "parallel": None if self.parallel is None else _adapter(ParallelConfig).dump_python(self.parallel,
                                                                                                 mode="json"),
-            "stages": {name: opts.model_dump(mode="json") for name, opts in self.stages.items()},
+            # a stage's data mixture stands for its partition: the one the stage reads is dumped
+            "stages": {name: opts.model_dump(mode="json", exclude={"partition"} if opts.data is not None else None)
+                       for name, opts in self.stages.items()},
         }
 
     def resolved_yaml(self) -> str:
@@ -138,6 +164,7 @@ def parse_recipe(mapping: Any, *, path: Path | None = None, overrides: Iterable[
         encoder=checked.encoder,
         projector=checked.projector,
         data=checked.data,
+        dataset_options=checked.datasets,
         stages=declared_stages(checked.stages),
         path=path,
         parallel=checked.parallel,

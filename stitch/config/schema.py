@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass
 
-from stitch.config.data import DataConfig
+from stitch.config.data import DATASET_NAME, DataConfig, DatasetConfig, complete_datasets
 from stitch.config.describe import field_error
 from stitch.config.options import (
     STAGE_OPTIONS,
@@ -169,20 +169,65 @@ class RecipeFile(Strict):
         description=f"a registered task name, {{name: ...}}, or {{reward: 'module:function', grade: ...}}; "
                     f"default {DEFAULT_TASK}",
     )
-    data: DataConfig = Field(description="the dataset and its preparation")
+    data: DataConfig = Field(description="the dataset and its preparation; with datasets, only the preparation "
+                                         "fields every dataset shares")
+    datasets: dict[Text, DatasetConfig] | None = Field(
+        None, description="named datasets (instead of data.source), each with its own source, columns, rows and "
+                          "row checks, prepared into one feature cache; stages name them in data")
     parallel: ParallelConfig | None = Field(None, description="launch layout; null: one process")
     stages: StagesConfig = Field(default_factory=StagesConfig, description="stage name -> options")  # type: ignore[valid-type]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _source_or_datasets(cls, value: Any) -> Any:
+        """A source under data beside datasets is refused before data's own checks ask for its columns."""
+        data = value.get("data") if isinstance(value, dict) else None
+        if isinstance(data, dict) and data.get("source") is not None and value.get("datasets") is not None:
+            raise field_error("data.source", "null in a recipe that declares datasets (move it to "
+                                             "datasets.<name>.source)", data["source"])
+        return value
+
+    @model_validator(mode="after")
+    def _one_data_source(self) -> RecipeFile:
+        if self.datasets is None and self.data.source is None:
+            raise field_error("data.source", "a data source (builtin / path / hub), or named datasets under "
+                                             "'datasets'")
+        if self.datasets is not None:
+            if self.data.source is not None:
+                raise field_error("data.source", "null in a recipe that declares datasets (move it to "
+                                                 "datasets.<name>.source)", self.data.source.describe())
+            if not self.datasets:
+                raise field_error("datasets", "at least one dataset, e.g. {captions: {source: ..., columns: ..., "
+                                              "rows: 1000}}", {})
+            for name in self.datasets:
+                if not DATASET_NAME.match(name):
+                    raise field_error(f"datasets.{name}", "a dataset name (letters, digits, _ -; no '.')", name)
+        return self
 
     @model_validator(mode="after")
     def _stages_fit_together(self) -> RecipeFile:
         stages = declared_stages(self.stages)
-        partitions = [p.name for p in self.data.partitions]
+        partitions = [p.name for data in complete_datasets(self.data, self.datasets).values() for p in data.partitions or ()]
+        named = "the datasets' partitions" if self.datasets is not None else "the data partitions"
         for stage, opts in stages.items():
+            if self.datasets is not None and "partition" in opts.model_fields_set:
+                raise field_error(f"stages.{stage}.partition", f"unset in a recipe with datasets: name what the "
+                                  f"stage trains on in stages.{stage}.data (one of {', '.join(partitions)}, or "
+                                  f"{{name: weight}})", opts.partition)
+            if self.datasets is not None and opts.data is None:
+                raise field_error(f"stages.{stage}.data", f"one of {named} {', '.join(partitions)}, or a "
+                                                          f"mixture {{name: weight}}")
+            for name in opts.data or ():
+                if name not in partitions:
+                    raise field_error(f"stages.{stage}.data.{name}", f"one of {named} {', '.join(partitions)}",
+                                      name)
             for key in ("partition", "eval_partition"):
                 value = getattr(opts, key, None)
+                if key == "partition" and opts.data is not None:
+                    continue
                 if value is not None and value not in partitions:
                     raise field_error(f"stages.{stage}.{key}",
-                                      f"one of the data partitions {', '.join(partitions)}", value)
+                                      f"one of {named} {', '.join(partitions)}", value)
         for stage in ("grpo", "dpo"):
             if stage in stages and "sft" not in stages:
                 raise field_error(f"stages.{stage}", f"a recipe that also declares 'sft' ({stage} warm-starts from "

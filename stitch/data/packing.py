@@ -2,11 +2,13 @@
 
 The stream's state (byte offset in the manifest, epoch, RNG, buffer of raw rows, the pending sample that
 did not fit the last pack) is JSON, saved in every checkpoint, so a resumed run draws the same packs.
-Samples are tokenized and their features loaded only when drawn.
+Samples are tokenized and their features loaded only when drawn. A mixture of partitions keeps one such
+reader (offset, epoch, buffer) per partition and draws which one gives the next row (``Mixture``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from stitch.data.mixture import Mixture
 from stitch.runs.checkpoint import random_from_json, random_to_json
 
 
@@ -30,71 +33,29 @@ class Sample:
         return len(self.input_ids)
 
 
-class PackedStream:
-    """Yields packs (lists of Samples) whose total length is at most ``token_budget``.
+class _ManifestReader:
+    """The manifest rows ``accept`` takes, read lazily into a bounded buffer, wrapping around at the end (an
+    epoch); its position (byte offset, epoch, buffer) is JSON."""
 
-    With ``pack=False`` every pack holds exactly one sample (for models whose layers would leak state
-    across packed samples). ``rows`` filters manifest rows (e.g. by partition).
-    """
-
-    def __init__(
-        self,
-        manifest: Path,
-        make_sample: Callable[[dict[str, Any]], Sample],
-        *,
-        token_budget: int,
-        buffer_size: int = 64,
-        seed: int = 0,
-        pack: bool = True,
-        rows: Callable[[dict[str, Any]], bool] = lambda row: True,
-    ) -> None:
-        self.manifest = Path(manifest)
-        self.make_sample = make_sample
-        self.token_budget = token_budget
-        self.buffer_size = buffer_size
-        self.pack = pack
-        self.accept = rows
+    def __init__(self, manifest: Path, accept: Callable[[dict[str, Any]], bool], buffer_size: int,
+                 what: str) -> None:
+        self.manifest, self.accept, self.buffer_size = manifest, accept, buffer_size
         self.offset = 0
         self.epoch = 0
-        self.rng = random.Random(seed)
         self.buffer: list[dict[str, Any]] = []
-        self.pending: dict[str, Any] | None = None
-        self._check_nonempty()
-
-    def _check_nonempty(self) -> None:
         with self.manifest.open("rb") as fh:
             if not any(self.accept(json.loads(line)) for line in fh if line.strip()):
-                raise ValueError(f"{self.manifest}: no manifest rows match this stage's partition")
+                raise ValueError(f"{self.manifest}: no manifest rows match {what}")
 
-    # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "offset": self.offset,
-            "epoch": self.epoch,
-            "rng": random_to_json(self.rng),
-            "buffer": list(self.buffer),
-            "pending": self.pending,
-            "pack": self.pack,
-            "token_budget": self.token_budget,
-        }
+        return {"offset": self.offset, "epoch": self.epoch, "buffer": list(self.buffer)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # packing can depend on the machine (Nemotron-H packs only where fla's kernels run): a resume that would
-        # batch differently from the run it continues is refused rather than silently diverging
-        for key, now in (("pack", self.pack), ("token_budget", self.token_budget)):
-            if key in state and state[key] != now:
-                hint = (" (packing follows the model binding on this machine: see `stitch models --json` and the "
-                        "binding's packing_note)") if key == "pack" else ""
-                raise ValueError(f"cannot resume: the checkpoint's data stream has {key}={state[key]!r} but this "
-                                 f"run has {key}={now!r}{hint}")
         self.offset = state["offset"]
         self.epoch = state["epoch"]
-        random_from_json(self.rng, state["rng"])
         self.buffer = list(state["buffer"])
-        self.pending = state["pending"]
 
-    # -- drawing -----------------------------------------------------------------------------------
-    def _fill(self) -> None:
+    def fill(self) -> None:
         with self.manifest.open("rb") as fh:
             fh.seek(self.offset)
             while len(self.buffer) < self.buffer_size:
@@ -110,12 +71,97 @@ class PackedStream:
                     if self.accept(row):
                         self.buffer.append(row)
 
+
+class PackedStream:
+    """Yields packs (lists of Samples) whose total length is at most ``token_budget``.
+
+    With ``pack=False`` every pack holds exactly one sample (for models whose layers would leak state
+    across packed samples). ``rows`` filters manifest rows (e.g. by partition); ``mixture`` instead draws each row
+    from one of several partitions in proportion to its weight (``{partition: weight}``; one partition reads as
+    ``rows`` does).
+    """
+
+    def __init__(
+        self,
+        manifest: Path,
+        make_sample: Callable[[dict[str, Any]], Sample],
+        *,
+        token_budget: int,
+        buffer_size: int = 64,
+        seed: int = 0,
+        pack: bool = True,
+        rows: Callable[[dict[str, Any]], bool] = lambda row: True,
+        mixture: dict[str, float] | None = None,
+    ) -> None:
+        self.manifest = Path(manifest)
+        self.make_sample = make_sample
+        self.token_budget = token_budget
+        self.buffer_size = buffer_size
+        self.pack = pack
+        self.rng = random.Random(seed)
+        self.pending: dict[str, Any] | None = None
+        self.mixture = Mixture(mixture, seed) if mixture else None
+        if self.mixture is None:
+            self.readers = {"": _ManifestReader(self.manifest, rows, buffer_size, "this stage's partition")}
+        else:
+            self.readers = {name: _ManifestReader(self.manifest, functools.partial(_in_partition, name), buffer_size,
+                                                  f"partition {name!r} of this stage's data")
+                            for name in self.mixture.names}
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "rng": random_to_json(self.rng),
+            "pending": self.pending,
+            "pack": self.pack,
+            "token_budget": self.token_budget,
+        }
+        if len(self.readers) == 1:  # one partition: its reader's position at the top, as a stream without a mixture
+            state.update(next(iter(self.readers.values())).state_dict())
+        else:
+            state["readers"] = {name: reader.state_dict() for name, reader in self.readers.items()}
+        if self.mixture is not None:
+            state["mixture"] = self.mixture.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # packing can depend on the machine (Nemotron-H packs only where fla's kernels run): a resume that would
+        # batch differently from the run it continues is refused rather than silently diverging
+        for key, now in (("pack", self.pack), ("token_budget", self.token_budget)):
+            if key in state and state[key] != now:
+                hint = (" (packing follows the model binding on this machine: see `stitch models --json` and the "
+                        "binding's packing_note)") if key == "pack" else ""
+                raise ValueError(f"cannot resume: the checkpoint's data stream has {key}={state[key]!r} but this "
+                                 f"run has {key}={now!r}{hint}")
+        if self.mixture is not None and "mixture" in state:
+            self.mixture.load_state_dict(state["mixture"])
+        elif self.mixture is not None and len(self.readers) > 1:
+            raise ValueError("cannot resume: the checkpoint's data stream has no mixture state but this run draws "
+                             f"from {sorted(self.readers)}")
+        if len(self.readers) == 1:
+            next(iter(self.readers.values())).load_state_dict(state)
+        else:
+            if set(state.get("readers", ())) != set(self.readers):
+                raise ValueError(f"cannot resume: the checkpoint's data stream reads {sorted(state.get('readers', ()))}"
+                                 f" but this run reads {sorted(self.readers)}")
+            for name, reader in self.readers.items():
+                reader.load_state_dict(state["readers"][name])
+        random_from_json(self.rng, state["rng"])
+        self.pending = state["pending"]
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the (first) partition read."""
+        return next(iter(self.readers.values())).epoch
+
+    # -- drawing -----------------------------------------------------------------------------------
     def _draw_row(self) -> dict[str, Any]:
         if self.pending is not None:
             row, self.pending = self.pending, None
             return row
-        self._fill()
-        return self.buffer.pop(self.rng.randrange(len(self.buffer)))
+        reader = self.readers[self.mixture.draw()] if self.mixture is not None else self.readers[""]
+        reader.fill()
+        return reader.buffer.pop(self.rng.randrange(len(reader.buffer)))
 
     def next_pack(self) -> list[Sample]:
         pack: list[Sample] = []
@@ -139,6 +185,10 @@ class PackedStream:
     def __iter__(self) -> Iterator[list[Sample]]:
         while True:
             yield self.next_pack()
+
+
+def _in_partition(name: str, row: dict[str, Any]) -> bool:
+    return row["partition"] == name
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""Preparation: stream a dataset, check every row once (its text tokenized as training will tokenize it, its media
-confined to the dataset), encode each row's media once into content-addressed feature shards, and write the
-manifest and report; a re-run encodes nothing, and a killed run resumes from the shards it finished."""
+"""Preparation: stream each dataset of a recipe in turn, check every row once (its text tokenized as training will
+tokenize it, its media confined to its dataset), encode each distinct media item once into content-addressed feature
+shards shared by every dataset, and write one manifest and report; a re-run encodes nothing, and a killed run
+resumes from the shards it finished."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 
 from stitch.config.data import BuiltinSource, LocalSource
 from stitch.config.recipe import Recipe
+from stitch.data.dataset_scan import DatasetDecoders, DatasetScan
 from stitch.data.feature_cache import (
     CACHE_DIRNAME,
     MANIFEST_NAME,
@@ -41,7 +43,6 @@ from stitch.data.rows import (
     PrepareError,
     PromptCheck,
     RowDecoder,
-    RowJob,
     ScannedRow,
     describe_skips,
     encoder_identity,
@@ -82,14 +83,14 @@ REPORT_NAME = "prepare-report.json"
 @dataclass
 class PrepareReport:
     out_dir: str
-    rows: dict[str, int]  # partition -> rows written
+    rows: dict[str, int]  # partition -> rows written (under datasets: <dataset> or <dataset>.<partition>)
     rows_scanned: int
     rows_unassigned: int  # valid rows between partitions: neither written nor skipped
     skipped: list[dict[str, Any]]
     skipped_by_reason: dict[str, dict[str, Any]]
     shards_encoded: int
     shards_reused: int
-    items_encoded: int
+    items_encoded: int  # distinct media items encoded by this run
     peak_transient_bytes: int
     retained_bytes: int
     retained_bytes_per_row: float
@@ -104,6 +105,10 @@ class PrepareReport:
     encode_seconds: dict[str, float] = field(default_factory=dict)
     # chunks of decoded media by how they reached this process: a shared slot mapped once, or a segment of their own
     media_chunks: dict[str, int] = field(default_factory=dict)
+    # media references whose features an earlier row (of any dataset) of this preparation already had: encoded once
+    items_shared: int = 0
+    # dataset -> {source, rows {partition: n}, rows_scanned, rows_unassigned, skipped, items, items_shared}
+    datasets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def total_rows(self) -> int:
@@ -116,9 +121,10 @@ class PrepareReport:
 class _Preparation:
     def __init__(
         self, recipe: Recipe, out_dir: Path, spec: EncoderSpec, encoder: Any, device: str, progress: bool,
-        prompts: PromptCheck, clock: PhaseClock, frozen: ObjectsFrozen,
+        prompts: dict[str, PromptCheck], clock: PhaseClock, frozen: ObjectsFrozen,
         builtin: Callable[[BuiltinSource], Path] | None,
     ) -> None:
+        # ``data``: the preparation fields every dataset shares (budgets, dtype, batch and shard sizes, workers)
         self.recipe, self.data, self.spec = recipe, recipe.data, spec
         self.out_dir = out_dir
         self.cache_dir = out_dir / CACHE_DIRNAME
@@ -133,27 +139,34 @@ class _Preparation:
             "encoder": spec.name,
             "encoder_id": self.identity["encoder_id"],
             "encoder_revision": self.identity["encoder_revision"],
-            "dataset": self.data.source.describe(),
         }
-        self.manifest_lines = ManifestLines(spec.tokens_per_item, spec.feature_width, self.data.feature_dtype,
-                                            self.provenance)
         self.progress = progress
         self.referenced: dict[str, int] = {}  # shard name -> bytes
         self.manifest_bytes = 0
         self.peak_transient = 0
-        self.rows_scanned = 0
         self.shards_encoded = self.shards_reused = self.items_encoded = self.items_written = 0
-        self.rows_written: dict[str, int] = {p.name: 0 for p in self.data.partitions}
-        self.rows_unassigned = 0
-        self.skipped: list[dict[str, Any]] = []
-        self.paths = media_paths(self.data)
-        self.prompts = prompts
-        self.decoder = RowDecoder(prompts, MediaDecoder(self.paths, spec.decode_item, self.preprocess))
+        self.rows_written: dict[str, int] = {p.name: 0 for p in recipe.partitions}
+        named = recipe.dataset_options is not None
+        self.datasets = [
+            DatasetScan(name, index, data, prompts[name],
+                        RowDecoder(prompts[name], MediaDecoder(media_paths(data), spec.decode_item, self.preprocess)),
+                        ManifestLines(spec.tokens_per_item, spec.feature_width, self.data.feature_dtype,
+                                      {**self.provenance, "dataset": data.source.describe()}),  # type: ignore[union-attr]
+                        named)
+            for index, (name, data) in enumerate(recipe.datasets.items())]
+        self.decoder = DatasetDecoders(tuple(ds.decoder for ds in self.datasets))
+        # content hash -> (shard, index) of every item this run placed in the cache: a later row with the same
+        # item (of this dataset or another) points there instead of encoding it again
+        self.located: dict[str, tuple[str, int]] = {}
+        self.digests: dict[str, str] = {}  # shard name -> sha256, once its file is written or verified
         self.clock = clock
         self.frozen = frozen  # settled at the first shard and when the encoder is loaded
         self.encoder = ShardEncoder(functools.partial(spec.load, spec.source, device, self.dtype), self.encoder_ready,
                                     self.preprocess, device, self.dtype, self.data.encode_batch_size, encoder)
-        self.writes: deque[tuple[str, list[PendingRow], Future | str, int]] = deque()  # shards not yet in manifest
+        # shards not yet in the manifest: (name or None when every item was already cached, rows, digest or its
+        # future, estimated bytes, each row's (shard, index) per item, dataset)
+        self.writes: deque[tuple[str | None, list[PendingRow], Future | str, int, list[list[tuple[str, int]]],
+                                 DatasetScan]] = deque()
         self.writer: ThreadPoolExecutor | None = None
         self.encoding: ThreadPoolExecutor | None = None  # the encode thread (ShardEncoder)
         self.encode_failed = False  # set by the encode thread: no shard after a failed one is encoded or written
@@ -164,7 +177,7 @@ class _Preparation:
         """Once the encoder is loaded: the loader's imports frozen with the rest, and the encoder compiled when
         ``data.prepare.compile`` asks for it."""
         self.frozen.settle()
-        rows = sum(p.rows for p in self.data.partitions)
+        rows = sum(p.rows for p in self.recipe.partitions)
         if self.data.prepare.compiles(self.device, rows):
             if not hasattr(encoder, "compile"):
                 raise PrepareError(f"data.prepare.compile: {self.data.prepare.compile} needs an encoder with "
@@ -173,7 +186,7 @@ class _Preparation:
             encoder.compile(self.data.encode_batch_size)
 
     def retained(self) -> int:
-        in_flight = sum(n for *_, n in self.writes)  # shards being written, estimated from their item count
+        in_flight = sum(w[3] for w in self.writes)  # shards being written, estimated from their item count
         return sum(self.referenced.values()) + self.manifest_bytes + in_flight
 
     def check_retained(self, extra: int, what: str) -> None:
@@ -196,72 +209,87 @@ class _Preparation:
             )
 
     # -- scanning --------------------------------------------------------------------------------------
-    def scanned_rows(self, stream: Iterable[Mapping[str, Any]]) -> Iterator[ScannedRow]:
-        """Rows in stream order with their text checked; an error is kept with its row, raised when the run
-        reaches it (rows read ahead for the decode workers must not change what is reported, or when)."""
-        rows = iter(itertools.islice(stream_rows(stream), self.data.scan_cap))
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        return [row for ds in self.datasets for row in ds.skipped]
+
+    @property
+    def rows_scanned(self) -> int:
+        return sum(ds.rows_scanned for ds in self.datasets)
+
+    def scanned_rows(self, ds: DatasetScan, stream: Iterable[Mapping[str, Any]]) -> Iterator[ScannedRow]:
+        """Rows of ``ds`` in stream order with their text checked; an error is kept with its row, raised when the
+        run reaches it (rows read ahead for the decode workers must not change what is reported, or when). Under
+        ``datasets`` a row id is ``<dataset>:<id>``: ids stay unique in the one manifest."""
+        rows = iter(itertools.islice(stream_rows(stream), ds.data.scan_cap))
         for position in itertools.count():
             with self.clock("scan"):  # reading the stream and checking the row's text
                 raw = next(rows, None)
                 if raw is None:
                     return
-                row = scan_row(raw, self.recipe, position)
+                row = scan_row(raw, ds.data.columns, position)  # type: ignore[arg-type]
+                if ds.named:
+                    row.id = f"{ds.name}:{row.id}"
             yield row
 
-    def decoded_rows(self, rows: Iterator[ScannedRow],
+    def decoded_rows(self, ds: DatasetScan, rows: Iterator[ScannedRow],
                      decoding: ChunkDecoding) -> Iterator[tuple[ScannedRow, Any, Any]]:
         """Each scanned row with its token counts (``PromptCheck.measure``) and media result (``(hashes, items)``
         or ``(kind, reason)``; None when its conversation does not tokenize), both None after a text error, in
         stream order; ``decoding`` runs the decoder on chunks of rows ahead of the one the run is at."""
-        def job(row: ScannedRow) -> RowJob | None:
-            return None if row.error else (row.id, row.messages, row.extra, row.values)
+        def job(row: ScannedRow) -> tuple[Any, ...] | None:
+            return None if row.error else (ds.index, row.id, row.messages, row.extra, row.values)
 
         for chunk, measured, results in decoding.answers(rows, job, self.decoder.rows):
             for row in chunk:
                 yield (row, None, None) if row.error else (row, next(measured), next(results))
 
-    def valid_rows(self, stream: Iterable[Mapping[str, Any]], decoding: ChunkDecoding) -> Iterator[PendingRow]:
-        """Selected rows in stream order; invalid rows are raised or skipped, never given an ordinal."""
-        ordinal, needed = 0, self.data.rows_needed  # a property over the partitions: read once, not per row
-        for row, measured, media in self.decoded_rows(self.scanned_rows(stream), decoding):
-            self.rows_scanned = row.position + 1
-            partition = self.data.partition_of(ordinal)  # the one this row takes if it is valid
+    def valid_rows(self, ds: DatasetScan, stream: Iterable[Mapping[str, Any]],
+                   decoding: ChunkDecoding) -> Iterator[PendingRow]:
+        """Selected rows of ``ds`` in stream order; invalid rows are raised or skipped, never given an ordinal."""
+        data = ds.data
+        ordinal, needed = 0, data.rows_needed  # a property over the partitions: read once, not per row
+        for row, measured, media in self.decoded_rows(ds, self.scanned_rows(ds, stream), decoding):
+            ds.rows_scanned = row.position + 1
+            partition = data.partition_of(ordinal)  # the one this row takes if it is valid
             try:
                 if row.error is not None:
                     raise row.error
                 # the prompt is judged before the media, whichever failed first in the worker
-                self.prompts.budgets_check(measured, partition and partition.name, row.id, row.position)
+                ds.prompts.budgets_check(measured, partition and partition.name, row.id, row.position)
                 if isinstance(media[0], str):
                     kind, reason = media
-                    raise InvalidRow(row.id, row.position, self.data.columns.media, reason, kind)
+                    raise InvalidRow(row.id, row.position, data.columns.media, reason, kind)  # type: ignore[union-attr]
             except InvalidRow as bad:
-                if self.data.on_corrupt == "error":
+                if data.on_corrupt == "error":
+                    field = f"datasets.{ds.name}.on_corrupt" if ds.named else "data.on_corrupt"
                     raise PrepareError(
-                        f"{bad}. Fix the row, or set data.on_corrupt: skip to count and skip such rows"
+                        f"{ds.where}{bad}. Fix the row, or set {field}: skip to count and skip such rows"
                     ) from bad
-                self.skipped.append(bad.as_json())
+                ds.skipped.append({**bad.as_json(), **({"dataset": ds.name} if ds.named else {})})
                 continue
             ordinal += 1
             if partition is not None:
                 hashes, items = media
                 yield PendingRow(row.id, row.position, partition.name, row.messages, items, hashes, row.extra)
             else:
-                self.rows_unassigned += 1
+                ds.rows_unassigned += 1
             if ordinal >= needed:
                 break
         if ordinal < needed:
-            short = [p.name for p in self.data.partitions if p.end > ordinal]
+            short = [p.name for p in data.partitions or () if p.end > ordinal]
+            cap = f"datasets.{ds.name}.scan_cap" if ds.named else "data.scan_cap"
             limit = (
-                f"the scan cap (data.scan_cap={self.data.scan_cap})"
-                if self.rows_scanned >= self.data.scan_cap
+                f"the scan cap ({cap}={data.scan_cap})"
+                if ds.rows_scanned >= (data.scan_cap or 0)
                 else "the end of the dataset"
             )
-            skips = (f" Skipped by reason: {describe_skips(self.skipped)}. Every skipped row and its reason: "
-                     f"{self.out_dir / REPORT_NAME}." if self.skipped else "")
+            skips = (f" Skipped by reason: {describe_skips(ds.skipped)}. Every skipped row and its reason: "
+                     f"{self.out_dir / REPORT_NAME}." if ds.skipped else "")
             raise PrepareError(
-                f"found {ordinal} valid rows before {limit} ({self.rows_scanned} scanned, {len(self.skipped)} "
-                f"skipped); partitions {short} need {needed}.{skips} Raise data.scan_cap, use a larger source, fix "
-                f"the rows, or shrink the partitions"
+                f"{ds.where}found {ordinal} valid rows before {limit} ({ds.rows_scanned} scanned, "
+                f"{len(ds.skipped)} skipped); partitions {short} need {needed}.{skips} Raise {cap}, use a larger "
+                f"source, fix the rows, or shrink the partitions"
             )
 
     # -- shards ----------------------------------------------------------------------------------------
@@ -276,31 +304,67 @@ class _Preparation:
         if pending:
             yield pending
 
-    def flush(self, rows: list[PendingRow], manifest: Any, bar: Any) -> None:
-        """Encode the shard unless it exists; its file is written by the writer thread while the next shard is
-        decoded and encoded, and its rows reach the manifest, in order, once the file is in place."""
-        name = shard_key(self.identity, (h for r in rows for h in r.hashes)) + ".safetensors"
-        path = self.cache_dir / name
-        n_items = sum(len(r.media) for r in rows)
-        if path.is_file():
+    def flush(self, ds: DatasetScan, rows: list[PendingRow], manifest: Any, bar: Any) -> None:
+        """Encode the shard of the rows' items not yet in the cache, unless that shard exists; its file is written
+        by the writer thread while the next shard is decoded and encoded, and its rows reach the manifest, in
+        order, once the file is in place. An item an earlier row of this run already placed (same content, any
+        dataset) is not encoded again: the row points at that place (``items_shared``)."""
+        fresh: dict[str, int] = {}  # hash -> index in this shard, in first-use order
+        items: list[tuple[str, Any]] = []
+        places: list[list[tuple[str | None, int]]] = []  # None: this shard, named once its key is known
+        row_ends: set[int] = set()
+        for row in rows:
+            keys: list[tuple[str | None, int]] = []
+            before = len(items)
+            for digest, item in zip(row.hashes, row.media, strict=True):
+                if digest in self.located:
+                    keys.append(self.located[digest])
+                elif digest in fresh:
+                    keys.append((None, fresh[digest]))
+                else:
+                    fresh[digest] = len(items)
+                    keys.append((None, len(items)))
+                    items.append((row.id, item))
+                    continue
+                ds.items_shared += 1
+            ds.items += len(keys)
+            if len(items) > before:  # the row's last new item ends here
+                row_ends.add(len(items))
+            places.append(keys)
+        name = shard_key(self.identity, fresh) + ".safetensors" if items else None
+        resolved = [[(shard or name, i) for shard, i in keys] for keys in places]
+        for digest, index in fresh.items():
+            self.located[digest] = (name, index)  # type: ignore[assignment]
+        estimate = 0
+        if name is None:  # every item of these rows is already in the cache
+            digest_or_future: Future | str = ""
+            self.advance(bar, len(rows))
+        elif (self.cache_dir / name).is_file():
             with self.clock("verify_reused"):
-                digest: Future | str = verified_shard_digest(path)  # a reused shard must still be the file written
+                # a reused shard must still be the file written
+                digest_or_future = verified_shard_digest(self.cache_dir / name)
             self.shards_reused += 1
             self.advance(bar, len(rows))
+        else:
+            self.check_retained(len(items) * self.item_bytes,
+                                f"with shard {name} ({rows[0].id}..{rows[-1].id})")
+            assert self.encoding is not None
+            waiting = len(rows) - len(row_ends)  # rows with no new item: done now
+            if waiting:
+                self.advance(bar, waiting)
+            digest_or_future = self.encoding.submit(self.encode_shard, rows, items, row_ends,
+                                                    self.cache_dir / name, bar)
+            self.shards_encoded += 1
+            self.items_encoded += len(items)
+            estimate = len(items) * self.item_bytes
+        if not isinstance(digest_or_future, Future):
             for row in rows:
                 row.media = []  # the decoded items are not needed
-            estimate = 0
-        else:
-            self.check_retained(n_items * self.item_bytes, f"with shard {name} ({rows[0].id}..{rows[-1].id})")
-            assert self.encoding is not None
-            digest = self.encoding.submit(self.encode_shard, rows, path, n_items, bar)
-            self.shards_encoded += 1
-            self.items_encoded += n_items
-            estimate = n_items * self.item_bytes
-        self.writes.append((name, rows, digest, estimate))
+        self.writes.append((name, rows, digest_or_future, estimate, resolved, ds))  # type: ignore[arg-type]
         self.record(manifest, keep=1)
 
-    def encode_shard(self, rows: list[PendingRow], path: Path, n_items: int, bar: Any) -> Future:
+    def encode_shard(self, rows: list[PendingRow], items: list[tuple[str, Any]], row_ends: set[int], path: Path,
+                     bar: Any) -> Future:
         """On the encode thread: the shard's features, handed to the writer thread; the writer's future. After a
         shard whose encode failed, none is encoded: the main thread raises that failure when it reaches the shard,
         and the shards queued behind it, already submitted, must not land in the cache meanwhile (a resume would
@@ -308,18 +372,17 @@ class _Preparation:
         if self.encode_failed:
             raise PrepareError(f"not encoded: an earlier shard's encode failed (rows {rows[0].id}..{rows[-1].id})")
         try:
-            features = self.encoder.encode([(row.id, item) for row in rows for item in row.media],
-                                           set(itertools.accumulate(len(row.media) for row in rows)),
-                                           (self.spec.tokens_per_item, self.spec.feature_width), self.check_features,
-                                           functools.partial(self.advance, bar))
+            features = self.encoder.encode(items, row_ends, (self.spec.tokens_per_item, self.spec.feature_width),
+                                           self.check_features, functools.partial(self.advance, bar))
         except BaseException:
             self.encode_failed = True
             raise
         for row in rows:
             row.media = []  # the decoded items are no longer needed (a shared slot is free once its views are gone)
+        items.clear()
         assert self.writer is not None
         check_free_space(path, features.nbytes, f"feature shard {path.name}")  # before any byte of it is written
-        return self.writer.submit(_write_shard_named, path, features, {**self.identity, "items": n_items})
+        return self.writer.submit(_write_shard_named, path, features, {**self.identity, "items": len(features)})
 
     def advance(self, bar: Any, rows: int) -> None:
         with self._bar:
@@ -328,7 +391,7 @@ class _Preparation:
     def record(self, manifest: Any, keep: int = 0) -> None:
         """Manifest lines of the written shards, oldest first, leaving ``keep`` shards in flight."""
         while len(self.writes) > keep:
-            name, rows, pending, _ = self.writes[0]
+            name, rows, pending, _, places, ds = self.writes[0]
             if isinstance(pending, Future):  # the encode thread's answer: the writer's future
                 with self.clock("encode_wait"):
                     pending = pending.result()
@@ -336,24 +399,32 @@ class _Preparation:
                 digest = pending.result() if isinstance(pending, Future) else pending
             self.writes.popleft()
             with self.clock("manifest"):
-                self.record_shard(manifest, name, rows, digest)
+                self.record_shard(manifest, name, rows, digest, places, ds)
 
-    def record_shard(self, manifest: Any, name: str, rows: list[PendingRow], digest: str) -> None:
-        """The manifest lines of one written shard's rows, in order."""
-        path = self.cache_dir / name
-        if name not in self.referenced:  # the shard and its sha256 sidecar are both retained
-            self.referenced[name] = path.stat().st_size + shard_digest_path(path).stat().st_size
-        index, lines = 0, []
-        for row in rows:
-            keys = [FeatureKey(name, index + j, digest) for j in range(len(row.hashes))]
-            index += len(row.hashes)
-            lines.append(self.manifest_lines.line(row.id, row.partition, row.messages, keys, row.extra))
+    def record_shard(self, manifest: Any, name: str | None, rows: list[PendingRow], digest: str,
+                     places: list[list[tuple[str, int]]], ds: DatasetScan) -> None:
+        """The manifest lines of one written shard's rows (``name`` None: rows whose items were all cached before),
+        in order; each item's key names the shard that holds it, this one or an earlier one."""
+        if name is not None:
+            self.digests[name] = digest
+            if name not in self.referenced:  # the shard and its sha256 sidecar are both retained
+                path = self.cache_dir / name
+                self.referenced[name] = path.stat().st_size + shard_digest_path(path).stat().st_size
+        lines = []
+        for row, keys in zip(rows, places, strict=True):
+            features = [FeatureKey(shard, index, self.digests[shard]) for shard, index in keys]
+            lines.append(ds.lines.line(row.id, row.partition, row.messages, features, row.extra))
             self.rows_written[row.partition] += 1
-        self.items_written += index
+            self.items_written += len(keys)
         text = "".join(lines)
         manifest.write(text)
         self.manifest_bytes += len(text.encode())
-        self.check_retained(0, f"after shard {name}")
+        self.check_retained(0, f"after shard {name}" if name else f"after rows {rows[0].id}..{rows[-1].id}")
+
+    def dataset_provenance(self) -> dict[str, Any]:
+        """``dataset``: the one source's description, or ``datasets``: each dataset's under ``datasets``."""
+        described = {ds.name: ds.data.source.describe() for ds in self.datasets}  # type: ignore[union-attr]
+        return {"datasets": described} if self.recipe.dataset_options is not None else {"dataset": described["data"]}
 
     def check_features(self, features: torch.Tensor, batch: list[tuple[str, Any]]) -> None:
         expected = (len(batch), self.spec.tokens_per_item, self.spec.feature_width)
@@ -366,7 +437,7 @@ class _Preparation:
     # -- whole run -------------------------------------------------------------------------------------
     def run(self) -> PrepareReport:
         started = time.perf_counter()
-        selected = sum(p.rows for p in self.data.partitions)
+        selected = sum(p.rows for p in self.recipe.partitions)
         self.check_retained(selected * self.item_bytes, f"for {selected} rows of features (before encoding)")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         # left by a killed run: ours (.tmp-<pid>-<shard>) and safetensors' own (it writes .tmpXXXXXX, then renames)
@@ -387,18 +458,19 @@ class _Preparation:
             if not any(self.cache_dir.glob("*.safetensors")):  # a fresh run must encode: load while rows decode
                 self.encoder.preload()
         try:
-            with self.clock("stream_open"):
-                stream = open_stream(self.data.source, tmp / "datasets", self.builtin)
-                stream = raw_media_stream(stream, self.data.columns.media)
             bar_of = progress(selected, "prepare", enabled=self.progress, unit="row", leave=False)
             with open(manifest_tmp, "w", encoding="utf-8") as manifest, bar_of as bar:
-                for shard_rows in self.shards(self.valid_rows(stream, self.decoding)):
-                    if not self.shards_encoded + self.shards_reused:
-                        self.frozen.settle()  # the stream's imports (datasets) frozen, collection back on
-                    self.flush(shard_rows, manifest, bar)
-                    self.check_transient(tmp)
-                    with self._bar:
-                        bar.set_postfix(encoded=self.shards_encoded, reused=self.shards_reused, refresh=False)
+                for ds in self.datasets:  # in recipe order: which row is first to carry an item is deterministic
+                    with self.clock("stream_open"):
+                        stream = open_stream(ds.data.source, tmp / "datasets", self.builtin)  # type: ignore[arg-type]
+                        stream = raw_media_stream(stream, ds.data.columns.media)  # type: ignore[union-attr]
+                    for shard_rows in self.shards(self.valid_rows(ds, stream, self.decoding)):
+                        if not self.shards_encoded + self.shards_reused:
+                            self.frozen.settle()  # the stream's imports (datasets) frozen, collection back on
+                        self.flush(ds, shard_rows, manifest, bar)
+                        self.check_transient(tmp)
+                        with self._bar:
+                            bar.set_postfix(encoded=self.shards_encoded, reused=self.shards_reused, refresh=False)
                 self.record(manifest)
             self.check_transient(tmp)
             os.replace(manifest_tmp, manifest_path)
@@ -429,7 +501,7 @@ class _Preparation:
             out_dir=str(self.out_dir),
             rows=dict(self.rows_written),
             rows_scanned=self.rows_scanned,
-            rows_unassigned=self.rows_unassigned,
+            rows_unassigned=sum(ds.rows_unassigned for ds in self.datasets),
             skipped=self.skipped,
             skipped_by_reason=skipped_by_reason(self.skipped, first=len(self.skipped)),
             shards_encoded=self.shards_encoded,
@@ -440,12 +512,14 @@ class _Preparation:
             retained_bytes_per_row=retained / max(total_rows, 1),
             payload_bytes_per_row=self.items_written * self.item_bytes / max(total_rows, 1),
             seconds=time.perf_counter() - started,
-            provenance={**self.provenance, "dtype": self.data.feature_dtype, "recipe": self.recipe.name,
-                        "recipe_sha256": self.recipe.digest},
+            provenance={**self.provenance, **self.dataset_provenance(), "dtype": self.data.feature_dtype,
+                        "recipe": self.recipe.name, "recipe_sha256": self.recipe.digest},
             phase_seconds=self.clock.report(),
             worker_seconds={k: round(v, 4) for k, v in self.decoding.worker_seconds.items()},
             encode_seconds={k: round(v, 4) for k, v in self.encoder.seconds.items()},
             media_chunks=dict(self.decoding.media_chunks),
+            items_shared=sum(ds.items_shared for ds in self.datasets),
+            datasets={ds.name: ds.report(self.rows_written) for ds in self.datasets},
         )
         write_text_atomic(self.out_dir / REPORT_NAME, _json_text(dataclasses.asdict(report)))
         return report
@@ -481,12 +555,17 @@ def prepare(
     is loaded on first need). Shards already in the cache are reused; once the new manifest is in place, shards it
     does not reference are deleted. One preparation per ``out_dir`` at a time: a second is refused (``RunLock``).
     """
-    source = recipe.data.source
-    if isinstance(source, LocalSource) and not source.path.exists():  # before the encoder or any worker loads
-        raise PrepareError(f"data.source.path {str(source.path)!r} does not exist")
+    datasets = recipe.datasets
+    for name, data in datasets.items():
+        source = data.source
+        if isinstance(source, LocalSource) and not source.path.exists():  # before the encoder or any worker loads
+            field = "data.source.path" if recipe.dataset_options is None else f"datasets.{name}.source.path"
+            raise PrepareError(f"{field} {str(source.path)!r} does not exist")
     clock = PhaseClock()
     with clock("tokenizer_load"):
-        prompts = PromptCheck(recipe, tokenizer, sentinel_ids, encoder_spec.tokens_per_item)
+        prompts = {name: PromptCheck(recipe, tokenizer, sentinel_ids, encoder_spec.tokens_per_item,
+                                     columns=data.columns)  # type: ignore[arg-type]
+                   for name, data in datasets.items()}
     out = Path(out_dir)
     # a refusal or failure leaves ``out`` as it was found (the report of skipped rows it points to aside); a killed
     # run's finished shards stay for the next run to reuse

@@ -19,7 +19,7 @@ import torch
 from datasets import DownloadConfig, Json, load_dataset
 from jinja2 import TemplateError
 
-from stitch.config.data import BuiltinSource, DataSource, HubSource, LocalSource
+from stitch.config.data import BuiltinSource, ColumnMapping, DataSource, HubSource, LocalSource
 from stitch.config.recipe import Recipe
 from stitch.data.collator import IMAGE_MARKER, image_markers, tokenize_example
 from stitch.data.feature_cache import (
@@ -304,8 +304,7 @@ def _content_text(content: Any) -> str | None:
     return "".join(out)
 
 
-def _messages(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int) -> list[dict[str, str]]:
-    cols = recipe.data.columns
+def _messages(raw: Mapping[str, Any], cols: ColumnMapping, row_id: str, position: int) -> list[dict[str, str]]:
     if cols.messages is None:
         out = []
         for role, column in (("user", cols.question), ("assistant", cols.answer)):
@@ -355,16 +354,16 @@ def check_media_count(messages: list[dict[str, str]], values: list[Any], row_id:
                          "image-count")
 
 
-def extra_columns(recipe: Recipe) -> dict[str, str]:
+def extra_columns(cols: ColumnMapping) -> dict[str, str]:
     """Text columns kept beside the conversation for the task, as ``ManifestRow.extra`` key -> dataset column
     (``data.columns.rejected``: a dispreferred answer per row, DPO's rejected branch)."""
-    column = getattr(recipe.data.columns, "rejected", None)
+    column = getattr(cols, "rejected", None)
     return {} if column is None else {"rejected": column}
 
 
-def _extra(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int) -> dict[str, str]:
+def _extra(raw: Mapping[str, Any], cols: ColumnMapping, row_id: str, position: int) -> dict[str, str]:
     out = {}
-    for key, column in extra_columns(recipe).items():
+    for key, column in extra_columns(cols).items():
         value = raw[column]
         if isinstance(value, int | float) and not isinstance(value, bool):
             value = str(value)
@@ -375,8 +374,8 @@ def _extra(raw: Mapping[str, Any], recipe: Recipe, row_id: str, position: int) -
     return out
 
 
-def _row_id(raw: Mapping[str, Any], recipe: Recipe, position: int) -> str:
-    column = recipe.data.columns.id
+def _row_id(raw: Mapping[str, Any], cols: ColumnMapping, position: int) -> str:
+    column = cols.id
     if column is None:
         return f"row{position}"
     if column not in raw:
@@ -391,24 +390,22 @@ def _missing_column(column: str, role: str, raw: Mapping[str, Any], row_id: str)
     )
 
 
-def _check_columns(raw: Mapping[str, Any], recipe: Recipe, row_id: str) -> None:
-    cols = recipe.data.columns
-    for role in ("media", "question", "answer", "messages", *extra_columns(recipe)):
+def _check_columns(raw: Mapping[str, Any], cols: ColumnMapping, row_id: str) -> None:
+    for role in ("media", "question", "answer", "messages", *extra_columns(cols)):
         column = getattr(cols, role)
         if column is not None and column not in raw:
             raise _missing_column(column, role, raw, row_id)
 
 
-def scan_row(raw: Mapping[str, Any], recipe: Recipe, position: int) -> ScannedRow:
-    """One row as read from the stream, its columns and text checked; an error is kept with the row (raised when
-    the run reaches it, in stream order)."""
-    cols = recipe.data.columns
+def scan_row(raw: Mapping[str, Any], cols: ColumnMapping, position: int) -> ScannedRow:
+    """One row as read from the stream, its ``cols`` checked; an error is kept with the row (raised when the run
+    reaches it, in stream order)."""
     row = ScannedRow(f"row{position}", position)
     try:
-        row.id = _row_id(raw, recipe, position)
-        _check_columns(raw, recipe, row.id)
-        row.messages = _messages(raw, recipe, row.id, position)
-        row.extra = _extra(raw, recipe, row.id, position)
+        row.id = _row_id(raw, cols, position)
+        _check_columns(raw, cols, row.id)
+        row.messages = _messages(raw, cols, row.id, position)
+        row.extra = _extra(raw, cols, row.id, position)
         row.values = media_items(raw[cols.media], row.id, position, cols.media)
         check_media_count(row.messages, row.values, row.id, position, cols.media)
     except (InvalidRow, PrepareError) as exc:
@@ -418,18 +415,20 @@ def scan_row(raw: Mapping[str, Any], recipe: Recipe, position: int) -> ScannedRo
 
 class PromptCheck:
     """Tokenizes each row as training will (``tokenize_example`` with the recipe's model tokenizer and sentinels,
-    given by the caller) and checks it fits the token budget of every stage that reads its partition."""
+    given by the caller) and checks it fits the token budget of every stage that reads its partition (alone or in
+    a mixture); ``columns`` are those of the dataset whose rows it checks."""
 
-    def __init__(self, recipe: Recipe, tokenizer: Any, sentinel_ids: SentinelIds, tokens_per_item: int) -> None:
+    def __init__(self, recipe: Recipe, tokenizer: Any, sentinel_ids: SentinelIds, tokens_per_item: int, *,
+                 columns: ColumnMapping) -> None:
         self.model = recipe.model
         self.tokenizer, self.sentinels, self.tokens = tokenizer, sentinel_ids, tokens_per_item
-        self.columns = recipe.data.columns
+        self.columns = columns
         self.prompt_column = self.columns.messages or self.columns.question  # the column a prompt error names
         self.errors = (ValueError, TemplateError)  # CollatorError is a ValueError; a chat template may raise
         self.budgets: dict[str, list[tuple[str, int]]] = {}  # partition -> (stage, token_budget)
         for stage, opts in recipe.stages.items():
-            budget, partition = getattr(opts, "token_budget", None), getattr(opts, "partition", None)
-            if budget is not None and partition is not None:
+            budget = getattr(opts, "token_budget", None)
+            for partition in opts.mixture if budget is not None else ():
                 self.budgets.setdefault(partition, []).append((stage, budget))
 
     def tokenize(self, conversation: list[dict[str, str]], num_items: int, row_id: str = "?") -> list[int]:
@@ -536,6 +535,7 @@ class RowDecoder:
         media, stacked = self.media.rows([None if isinstance(m[-1], tuple) else job[3]
                                           for m, job in zip(measured, chunk, strict=True)], slots, slot)
         return measured, media, stacked, (tokenized - started, time.perf_counter() - tokenized)
+
 
 
 # -- shards ---------------------------------------------------------------------------------------------

@@ -103,6 +103,12 @@ def final_stage(ran: Mapping[str, Any]) -> str | None:
     return next((s for s in reversed(STAGES) if s in POLICY_STAGES and s in ran), None)
 
 
+def stage_partitions(recipe: Recipe, stage: str) -> list[str]:
+    """The partitions a stage trains on: its data mixture's, or its one partition."""
+    mixture = getattr(recipe.stages.get(stage), "mixture", None)
+    return list(mixture) if mixture is not None else [stage_option(recipe, stage, "partition")]
+
+
 def stage_option(recipe: Recipe, stage: str, key: str, default: Any = None) -> Any:
     """One stage option, whether the recipe holds raw mappings or typed options objects."""
     options = recipe.stages.get(stage)
@@ -173,9 +179,9 @@ def evaluate_final(recipe: Recipe, registry: Registry, out_dir: Path, final: str
         shown, held_out = graded[:inference_rows], True
     else:
         # no eval partition: answer rows no stage trains on, else (said so) rows of the final stage's partition
-        trained = {stage_option(recipe, s, "partition") for s in recipe.stages}
-        spare = [p.name for p in recipe.data.partitions if p.name not in trained]
-        partition = spare[0] if spare else stage_option(recipe, final, "partition")
+        trained = {name for s in recipe.stages for name in stage_partitions(recipe, s)}
+        spare = [p.name for p in recipe.partitions if p.name not in trained]
+        partition = spare[0] if spare else stage_partitions(recipe, final)[0]
         held_out = bool(spare)
         shown = answer([r for r in data.rows(partition) if task.takes(r.task_row())][:inference_rows])
     first = shown[0] if shown else {}

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from stitch.data.collator import tokenize_example
+from stitch.data.mixture import Mixture
 from stitch.data.packing import Sample, collate_packs
 from stitch.model.scatter import PlaceholderCountError
 from stitch.runs.checkpoint import random_from_json, random_to_json
@@ -94,10 +95,15 @@ class DPOStage(Stage):
     def build(self, ctx: StageContext) -> None:
         opts, session = self.opts, ctx.session
         self.task = resolve_task(ctx.recipe, session.registry)
-        rows = list(session.data.rows(opts.partition))
+        self.mixture = Mixture(opts.mixture, opts.seed)
         # the pairs are fixed for the run: a generator draws from its own seeded stream, not the data order's
-        self.pairs, self.skipped = preference_pairs(self.task, rows, random.Random(f"dpo-pairs-{opts.seed}"),
-                                                    opts.partition)
+        pairs_rng = random.Random(f"dpo-pairs-{opts.seed}")
+        self.pairs_of, self.skipped = {}, 0  # partition -> its pairs
+        for partition in self.mixture.names:
+            pairs, skipped = preference_pairs(self.task, list(session.data.rows(partition)), pairs_rng, partition)
+            self.pairs_of[partition] = pairs
+            self.skipped += skipped
+        self.pairs = [pair for pairs in self.pairs_of.values() for pair in pairs]
         self.reference = {n: p.detach().clone() for n, p in ctx.model.named_parameters() if p.requires_grad}
         self.probe = self.pairs[: opts.probe_pairs]
         self.rng = random.Random(opts.seed)
@@ -115,7 +121,7 @@ class DPOStage(Stage):
 
     def step(self, ctx: StageContext) -> dict[str, Any]:
         opts, model = self.opts, ctx.model
-        drawn = [self.pairs[self.rng.randrange(len(self.pairs))] for _ in range(opts.pairs_per_step)]
+        drawn = [self.mixture.pick(self.pairs_of, self.rng) for _ in range(opts.pairs_per_step)]
         micro = opts.micro_batch_size or len(drawn)
         pols, logits_all = [], []
         for start in range(0, len(drawn), micro):  # gradient accumulation: each chunk adds its share of the mean
@@ -138,10 +144,13 @@ class DPOStage(Stage):
                 "accuracy": float((logits > 0).float().mean())}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": random_to_json(self.rng), "probe_start": self.probe_start}
+        return {"rng": random_to_json(self.rng), "probe_start": self.probe_start,
+                "mixture": self.mixture.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         random_from_json(self.rng, state["rng"])
+        if "mixture" in state:
+            self.mixture.load_state_dict(state["mixture"])
         self.probe_start = state["probe_start"]
 
     def summary(self, ctx: StageContext, history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -153,4 +162,5 @@ class DPOStage(Stage):
             "probe_margin_start": self.probe_start["margin"], "probe_margin_end": end["margin"],
             "margin_first": history[0]["margin"] if history else None,
             "margin_last": history[-1]["margin"] if history else None,
+            "data": self.mixture.report(),
         }

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from stitch.config.recipe import Recipe, RecipeError
+from stitch.data.mixture import Mixture
 from stitch.data.packing import Sample, collate_packs
 from stitch.rollout.engines import sampling_seed
 from stitch.rollout.prompts import payload_for, prompt_embeddings
@@ -134,11 +135,14 @@ class GRPOStage(Stage):
     def build(self, ctx: StageContext) -> None:
         opts, session, model = self.opts, ctx.session, ctx.model
         self.task = resolve_task(ctx.recipe, session.registry)
-        rows = list(session.data.rows(opts.partition))
-        self.rows = [r for r in rows if self.task.takes(r.task_row())]
-        if not self.rows:
-            raise ValueError(f"grpo: partition {opts.partition!r} has no rows task {self.task.name!r} can reward "
-                             f"({len(rows)} rows, none accepted)")
+        self.mixture = Mixture(opts.mixture, opts.seed)
+        self.rows = {}  # partition -> the rows of it the task can reward
+        for partition in self.mixture.names:
+            rows = list(session.data.rows(partition))
+            self.rows[partition] = [r for r in rows if self.task.takes(r.task_row())]
+            if not self.rows[partition]:
+                raise ValueError(f"grpo: partition {partition!r} has no rows task {self.task.name!r} can reward "
+                                 f"({len(rows)} rows, none accepted)")
         self.payload = payload_for(session.registry, session.encoder_spec)
         self.rng = random.Random(opts.seed)
         # reference = the warm start: SFT adapter and SFT projector, frozen copies substituted at call time
@@ -174,7 +178,7 @@ class GRPOStage(Stage):
     def step(self, ctx: StageContext) -> dict[str, Any]:
         opts, session, model = self.opts, ctx.session, ctx.model
         suppress = ctx.binding.suppress_ids
-        drawn = [self.rows[self.rng.randrange(len(self.rows))] for _ in range(opts.prompts_per_step)]
+        drawn = [self.mixture.pick(self.rows, self.rng) for _ in range(opts.prompts_per_step)]
         t0 = time.perf_counter()
         model.eval()
         with torch.no_grad():
@@ -243,10 +247,12 @@ class GRPOStage(Stage):
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": random_to_json(self.rng), "eval_accuracy_start": self.eval_accuracy_start,
-                "signal": self.watch.state_dict()}
+                "signal": self.watch.state_dict(), "mixture": self.mixture.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         random_from_json(self.rng, state["rng"])
+        if "mixture" in state:
+            self.mixture.load_state_dict(state["mixture"])
         self.eval_accuracy_start = state["eval_accuracy_start"]
         self.watch.load_state_dict(state.get("signal", {}))
 
@@ -264,6 +270,7 @@ class GRPOStage(Stage):
             "flat_reward_steps_max": self.watch.longest,
             "completions": str(self.completion_log.path) if self.completion_log.every else None,
             "completion_table": self.completion_log.last_step_table(),
+            "data": self.mixture.report(),
         }
         if self.eval_accuracy_start is not None:
             out["eval_accuracy_start"] = self.eval_accuracy_start

@@ -36,11 +36,10 @@ class AlignmentStage(Stage):
         if opts.packing and spec.packs() and not self.packed:
             log.warning("%s: packing is available on this machine but the loaded model has no sample-boundary "
                         "path; training unpacked", spec.name)
-        partition = opts.partition
         make_sample = functools.partial(ctx.session.make_sample, turns=opts.train_turns)
         self.stream = PackedStream(ctx.session.manifest_path, make_sample, token_budget=opts.token_budget,
                                    buffer_size=opts.buffer_size, seed=opts.seed, pack=self.packed,
-                                   rows=lambda row: row["partition"] == partition)
+                                   mixture=opts.mixture)
         self.tokens_seen = 0
 
     def step(self, ctx: StageContext) -> dict[str, Any]:
@@ -112,7 +111,8 @@ class AlignmentStage(Stage):
         return {"tokens_per_s": round(self.tokens_seen / elapsed, 1) if elapsed > 0 else None,
                 "steady_tokens_per_s": steady_rate(history),
                 "packed": self.packed,
-                "mean_pack_fill": round(sum(fills) / len(fills), 4) if fills else None}
+                "mean_pack_fill": round(sum(fills) / len(fills), 4) if fills else None,
+                "data": self.stream.mixture.report() if self.stream.mixture else None}
 
 
 def steady_rate(history: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> float | None:

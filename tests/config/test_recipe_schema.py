@@ -85,7 +85,7 @@ def test_unknown_nested_key_lora_rank_is_refused_naming_the_path_and_the_known_k
 
 def test_unknown_top_level_key_is_refused_naming_it(tmp_path, monkeypatch, capsys, no_heavy_work):
     line = refused_by_train(write_recipe(tmp_path / "r.yaml", modle="qwen3.5-demo"), tmp_path, monkeypatch, capsys)
-    assert "unknown field 'modle'; expected one of name, model, encoder, projector, task, data, parallel, stages" \
+    assert "unknown field 'modle'; expected one of name, model, encoder, projector, task, data, datasets, parallel, stages" \
         in line
 
 

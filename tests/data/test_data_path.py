@@ -108,7 +108,7 @@ def test_local_source_path_is_resolved_against_the_recipe_directory(tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     source = load_recipe(tmp_path / "r.yaml").data.source
     assert isinstance(source, LocalSource) and source.path == tmp_path / "data" / "train.parquet"
-    with pytest.raises(RecipeError, match=r"'data.source.format': expected one of parquet, json, imagefolder"):
+    with pytest.raises(RecipeError, match=r"'data.source.format': expected one of parquet, arrow, json, imagefolder"):
         parse_recipe(with_field("data.source", {"path": "x", "format": "csv"}))
 
 

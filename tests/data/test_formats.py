@@ -79,3 +79,12 @@ def test_parquet_with_image_bytes_is_read_without_touching_any_path(tmp_path, ho
     features = [data.features(r) for r in rows]
     assert all(f.shape == (1, 49, 768) for f in features)
     assert not torch.equal(features[0], features[1])  # different images, different features
+
+
+def test_arrow_with_image_bytes_reads_as_parquet_does(tmp_path, host_module, clip):
+    """``format: arrow``: an Arrow IPC stream file (what ``datasets`` writes) holding the parquet fixture's table."""
+    _, rows = _prepare(tmp_path, host_module, clip, {"path": "images.arrow", "format": "arrow"},
+                       {"id": "id", "media": "image", "question": "question", "answer": "answer"}, 3)
+    assert [r.id for r in rows] == ["pq-0", "pq-1", "pq-2"]
+    features = [PreparedData(tmp_path / "out").features(r) for r in rows]
+    assert all(f.shape == (1, 49, 768) for f in features) and not torch.equal(features[0], features[1])

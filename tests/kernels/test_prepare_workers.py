@@ -151,8 +151,8 @@ def test_a_fresh_run_loads_the_encoder_while_its_first_shard_decodes_and_a_rerun
     host = _EncoderHost(host_module, load)
     original = prep._Preparation.decoded_rows
 
-    def decoded_rows(self, rows, pool):
-        for n, item in enumerate(original(self, rows, pool)):
+    def decoded_rows(self, ds, rows, pool):
+        for n, item in enumerate(original(self, ds, rows, pool)):
             if n == 0:
                 events.append(("first row decoded", time.perf_counter()))
             yield item
@@ -333,8 +333,8 @@ def test_the_next_shard_is_gathered_while_the_encode_thread_encodes_one(tmp_path
 
     original = prep._Preparation.valid_rows
 
-    def valid_rows(self, stream, pool=None):
-        for ordinal, row in enumerate(original(self, stream, pool)):
+    def valid_rows(self, ds, stream, pool=None):
+        for ordinal, row in enumerate(original(self, ds, stream, pool)):
             if ordinal >= 2 * shard_rows:
                 second_shard_gathered.set()
             yield row
