@@ -36,13 +36,15 @@ def register_rollout_engines(register):
     register(RolloutEngineSpec(
         "embedded", EmbeddedEngine,
         "the live policy from prompt embeddings: fixed KV cache + CUDA-graph decode steps where the model allows "
-        "(attention-only Qwen/Llama on a GPU), transformers generate(inputs_embeds=...) elsewhere",
+        "(attention, Gated DeltaNet, Mamba-2 and MoE layers; CUDA graphs on a GPU), transformers "
+        "generate(inputs_embeds=...) elsewhere",
     ))
     if importlib.util.find_spec("vllm") is not None:  # vLLM itself is imported only when the engine is built
         register(RolloutEngineSpec("vllm", vllm_engine_factory, "vLLM in-process: prompt embeddings, merged "
                                    "weights refit in place (enable_prompt_embeds)"))
         register(RolloutEngineSpec("vllm-lora", vllm_lora_engine_factory, "vLLM in-process: prompt embeddings, "
-                                   "base weights loaded once, each refit ships only the LoRA adapter (vLLM's LoRA)"))
+                                   "base weights loaded once, each refit ships only the LoRA adapter (vLLM's LoRA)",
+                                   merged_refit=False))
 
 
 @hookimpl

@@ -30,5 +30,17 @@ def validate_recipe(recipe: Recipe, host: Registry) -> dict[str, StageOptions]:
         if opts is not None and opts.token_budget < floor:
             fail(recipe, f"field 'stages.{stage}.token_budget': expected at least {floor} "
                           f"({encoder.tokens_per_item} soft tokens + 2 sentinels), got {opts.token_budget}")
+    grpo = recipe.stages.get("grpo")
+    if grpo is not None:
+        check_engine(recipe, host, grpo.engine, grpo.placement)
     check_parallel(recipe, recipe.stages)
     return dict(recipe.stages)
+
+
+def check_engine(recipe: Recipe, host: Registry, name: str, placement: str) -> None:
+    """GRPO's rollout engine is registered here and takes the weights its placement sends."""
+    spec = host.get("rollout_engines", name)  # a miss names the plugin to install, as for the model
+    if placement == "ray" and not spec.merged_refit:
+        ray_engines = [e for e in host.names("rollout_engines") if host.get("rollout_engines", e).merged_refit]
+        fail(recipe, f"field 'stages.grpo.engine': expected an engine that takes merged weights under placement: "
+                     f"ray ({', '.join(ray_engines)}), got {name!r} (its refit takes only the adapter)")

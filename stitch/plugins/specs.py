@@ -254,6 +254,9 @@ class RolloutEngineSpec:
     name: str
     factory: Callable[..., Any]
     description: str = ""
+    # refit(weights) takes the policy's merged state dict, which is what Ray-placed replicas receive; an engine
+    # whose refit takes something else (only the adapter) is refused under stages.grpo.placement: ray
+    merged_refit: bool = True
 
 
 @dataclass(frozen=True)
