@@ -13,7 +13,7 @@ from stitch_nemotron.sentinels import SENTINELS
 TINY_HIDDEN = 128
 SEED = 0
 UNK, BOS, EOS_DOC, IM_START, IM_END = "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = (UNK, BOS, EOS_DOC, IM_START, IM_END, *SENTINELS.tokens)
+SPECIAL_TOKENS = (UNK, BOS, EOS_DOC, IM_START, IM_END, *SENTINELS.tokens, SENTINELS.video_start, SENTINELS.video_end)
 
 
 def config_kwargs(tokenizer_dir: Path, layers: list[str]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from stitch_qwen.sentinels import SENTINELS
 TINY_HIDDEN = 128
 SEED = 0
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
-SPECIAL_TOKENS = (PAD, "<|im_start|>", EOS, *SENTINELS.tokens)
+SPECIAL_TOKENS = (PAD, "<|im_start|>", EOS, *SENTINELS.tokens, SENTINELS.video_start, SENTINELS.video_end)
 
 
 def text_config_kwargs(tokenizer_dir: Path) -> dict[str, Any]:
