@@ -45,7 +45,8 @@ def write_clip(path: Path, direction: str, rng: random.Random, size: int = 64, f
 
 def write_dataset(root: Path, rows: int, seed: int = 0, **clip: int) -> Path:
     """``root/clips/NNNNN.mp4`` and ``root/rows.jsonl`` (``id``, ``video`` path relative to ``root``, ``question``,
-    ``answer``); directions cycle so every run of four rows holds each once. Returns the JSON-lines path."""
+    ``answer`` "The answer is <direction>.", the demo base's answer form); directions cycle so every run of four
+    rows holds each once. Returns the JSON-lines path."""
     rng = random.Random(seed)
     clips = root / "clips"
     clips.mkdir(parents=True, exist_ok=True)
@@ -55,5 +56,5 @@ def write_dataset(root: Path, rows: int, seed: int = 0, **clip: int) -> Path:
             direction = names[i % len(names)]
             write_clip(clips / f"{i:05d}.mp4", direction, rng, **clip)
             table.write(json.dumps({"id": f"clip{i:05d}", "video": f"clips/{i:05d}.mp4", "question": QUESTION,
-                                    "answer": direction}) + "\n")
+                                    "answer": f"The answer is {direction}."}) + "\n")
     return root / "rows.jsonl"
