@@ -222,3 +222,54 @@ def test_prepare_encodes_each_clip_once_and_skips_a_bad_clip_naming_row_and_kind
     assert "2 <video> marker(s) in the text but 1 media item(s)" in report.skipped[2]["reason"]
     again = prepare(load_recipe(recipe), tmp_path / "out", encoder=encoder, progress=False, **inputs)
     assert again.items_encoded == 0 and encoder.frames_encoded == 16  # the cache answers a re-run
+
+
+@pytest.fixture(scope="module")
+def video_run(tmp_path_factory):
+    """Four moving-ball clips prepared through clip-demo-video and trained one alignment and one SFT step."""
+    from stitch.data.prepare import prepare
+    from stitch.host.host import get_host
+    from stitch.stages.loop import run_stage
+    from stitch_clip.moving_ball import write_dataset
+
+    root = tmp_path_factory.mktemp("video-run")
+    write_dataset(root / "dataset", 4, seed=1)
+    recipe = load_recipe(write_recipe(root / "video.yaml", encoder="clip-demo-video", task="exact-match", data={
+        "source": {"path": "dataset/rows.jsonl", "format": "json"},
+        "columns": {"id": "id", "media": "video", "question": "question", "answer": "answer"},
+        "partitions": {"train": [0, 4]}, "scan_cap": 4, "budgets": {"transient_mib": 64, "retained_mib": 16},
+        "feature_dtype": "float16", "prepare": {"workers": 0}},
+        stages={"alignment": {"partition": "train", "eval_partition": None, "steps": 1, "batch_size": 1},
+                "sft": {"partition": "train", "eval_partition": None, "steps": 1, "batch_size": 1},
+                "grpo": {"partition": "train", "eval_partition": None, "steps": 1, "prompts_per_step": 2,
+                         "group_size": 2, "max_new_tokens": 4}}))
+    encoder = CLIP_DEMO_VIDEO.load(CLIP_DEMO_VIDEO.source, "cpu", torch.float16)
+    prepare(recipe, root / "run" / "data", encoder=encoder, progress=False, **prepare_inputs(recipe))
+    for stage in ("alignment", "sft"):
+        run_stage(recipe, stage, root / "run", progress=False, registry=get_host())
+    return recipe, root / "run"
+
+
+def test_export_of_a_video_checkpoint_names_the_video_brackets_and_llava_refuses_it(video_run, tmp_path):
+    from stitch.host.host import get_host
+    from stitch.serve.export import export_checkpoint
+    from stitch.serve.llava_export import LlavaExportError, export_llava
+
+    _, run = video_run
+    manifest = export_checkpoint(run / "sft" / "checkpoints", tmp_path / "export", get_host())
+    assert manifest["encoder"]["modality"] == "video" and manifest["encoder"]["tokens_per_item"] == 98
+    sentinels = manifest["sentinels"]
+    assert (sentinels["start"], sentinels["end"]) == ("<|quad_start|>", "<|quad_end|>")  # not the image brackets
+    assert manifest["prompt"]["media_block"].startswith("<|quad_start|>")
+    assert "<video> marker" in manifest["prompt"]["media_position"]
+    with pytest.raises(LlavaExportError, match="'clip-demo-video' encodes video"):
+        export_llava(run / "sft" / "checkpoints", tmp_path / "llava", get_host())
+
+
+def test_grpo_takes_one_step_on_video_prompts(video_run):
+    from stitch.host.host import get_host
+    from stitch.stages.loop import run_stage
+
+    recipe, run = video_run
+    summary = run_stage(recipe, "grpo", run, progress=False, registry=get_host())
+    assert summary["steps"] == 1
