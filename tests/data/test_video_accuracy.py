@@ -39,8 +39,10 @@ RECIPE = {
     "stages": {
         "alignment": {"partition": "train", "eval_partition": None, "steps": 40, "batch_size": 4,
                       "lr_projector": 1.0e-3},
-        "sft": {"partition": "train", "eval_partition": "eval", "eval_rows": EVAL_ROWS, "steps": 240,
-                "batch_size": 4, "lr_projector": 2.0e-3, "lr_adapter": 5.0e-3,
+        # constant LR: held-out accuracy sits at chance for ~250 steps (the LoRA first learns to spell the four
+        # answers), then rises within ~100 steps; a cosine decay over 240 steps stopped it before that (measured)
+        "sft": {"partition": "train", "eval_partition": "eval", "eval_rows": EVAL_ROWS, "steps": 500,
+                "batch_size": 3, "schedule": "constant", "lr_projector": 2.0e-3, "lr_adapter": 5.0e-3,
                 "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
     },
 }
@@ -70,12 +72,12 @@ def video_sft(tmp_path_factory):
     return recipe, out, report
 
 
-# Not met yet: with LoRA (240 steps) and with a full fine-tune of the demo LM (240 steps, lr_lm 1e-3) SFT answered
-# one direction for every clip (25 %, equal to the control) while its loss fell below the format's floor; the run
-# also takes ~6 minutes on two cores, over the CI budget. Run it with STITCH_VIDEO_ACCEPTANCE=1.
+# Met (1.00 held out; the zeroed-feature control 0.00, the majority answer 0.25), but the run takes 4-5 minutes on two
+# shared cores (prepare ~1, SFT ~2), over what CI's budget leaves: it runs with STITCH_VIDEO_ACCEPTANCE=1. On a shared machine, OMP_NUM_THREADS=1 keeps SFT near 0.2 s
+# a step (two threads contending with other work measured 3.6 s).
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("STITCH_VIDEO_ACCEPTANCE") != "1",
-                    reason="video acceptance not met yet (25 % vs 25 % control); STITCH_VIDEO_ACCEPTANCE=1 runs it")
+                    reason="~4 minutes on two cores, over CI's budget; STITCH_VIDEO_ACCEPTANCE=1 runs it")
 def test_sft_on_moving_ball_clips_beats_the_zeroed_feature_control_by_20_points(video_sft):
     from stitch.config.recipe import load_recipe
     from stitch.stages.evaluation import evaluate_accuracy
