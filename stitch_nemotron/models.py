@@ -156,14 +156,14 @@ MODELS: tuple[ModelSpec, ...] = (
     ),
     nemotron_spec(
         "nemotron-nano-tiny",
-        ModelSource(builder=build_nano_tiny, builder_key="nemotron-nano-tiny-v1"),
+        ModelSource(builder=build_nano_tiny, builder_key="nemotron-nano-tiny-v3"),
         TINY_HIDDEN,
         moe=False,
         description="Tiny random-init Nemotron-H (Mamba-2, MLP, attention, MLP) for tests.",
     ),
     nemotron_spec(
         "nemotron-lightning-tiny",
-        ModelSource(builder=build_lightning_tiny, builder_key="nemotron-lightning-tiny-v1"),
+        ModelSource(builder=build_lightning_tiny, builder_key="nemotron-lightning-tiny-v3"),
         TINY_HIDDEN,
         moe=True,
         description="Tiny random-init Nemotron-H MoE (Mamba-2, MoE, attention, MoE; 4 experts + shared) for tests.",

@@ -13,6 +13,8 @@ SENTINELS = SentinelSpec(
     start="<SPECIAL_100>",
     placeholder="<SPECIAL_101>",
     end="<SPECIAL_102>",
+    video_start="<SPECIAL_103>",  # a clip's own brackets, from the same reserved block
+    video_end="<SPECIAL_104>",
     description="Reserved, unused <SPECIAL_N> control tokens of the Nemotron-H tokenizer; the tiny presets' "
     "tokenizers hold the same strings as special tokens.",
 )

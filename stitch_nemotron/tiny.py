@@ -14,6 +14,7 @@ TINY_HIDDEN = 128
 SEED = 0
 UNK, BOS, EOS_DOC, IM_START, IM_END = "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (UNK, BOS, EOS_DOC, IM_START, IM_END, *SENTINELS.tokens)
+VIDEO_TOKENS = (SENTINELS.video_start, SENTINELS.video_end)  # after the trained vocabulary: no existing id moves
 
 
 def config_kwargs(tokenizer_dir: Path, layers: list[str]) -> dict[str, Any]:
@@ -55,6 +56,7 @@ def write_snapshot(out_dir: Path, layers: list[str], **extra: Any) -> None:
         pad_token=UNK,
         bos_token=BOS,
         chat_template=chatml_template(IM_START, IM_END),
+        appended_tokens=VIDEO_TOKENS,
     )
     config = NemotronHConfig(**config_kwargs(out_dir, layers), **extra)
     torch.manual_seed(SEED)

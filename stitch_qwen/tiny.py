@@ -14,6 +14,8 @@ TINY_HIDDEN = 128
 SEED = 0
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
 SPECIAL_TOKENS = (PAD, "<|im_start|>", EOS, *SENTINELS.tokens)
+# appended after the trained vocabulary: every id above, and so the demo base's pre-trained weights, stay as they were
+VIDEO_TOKENS = (SENTINELS.video_start, SENTINELS.video_end)
 
 
 def text_config_kwargs(tokenizer_dir: Path) -> dict[str, Any]:
@@ -44,7 +46,8 @@ def text_config_kwargs(tokenizer_dir: Path) -> dict[str, Any]:
 
 def write_tokenizer(out_dir: Path) -> None:
     """The tiny presets' tokenizer (every Qwen tiny preset trains the same one): a preset's tokenizer_builder."""
-    train_tokenizer(out_dir, SPECIAL_TOKENS, eos_token=EOS, pad_token=PAD, chat_template=chatml_template())
+    train_tokenizer(out_dir, SPECIAL_TOKENS, eos_token=EOS, pad_token=PAD, chat_template=chatml_template(),
+                    appended_tokens=VIDEO_TOKENS)
 
 
 def write_snapshot(out_dir: Path, config_cls: type, model_cls: type, **extra: Any) -> None:

@@ -1,8 +1,8 @@
 """Prompt rendering and the training collator: the tokenizer-specific half of the data path.
 
 The prompt is the model's chat template over the whole conversation with ``start + placeholder x N + end`` per
-media item: where each ``<image>`` marker of a user (or system) turn stands, or, in a conversation without
-markers, opening the first user turn. ``prompt_token_ids`` is the one function that tokenizes it, for training,
+media item: where each ``<image>`` marker (``<video>`` in a video layout) of a user (or system) turn stands, or, in
+a conversation without markers, opening the first user turn. ``prompt_token_ids`` is the one function that tokenizes it, for training,
 GRPO rollouts, evaluation, inference and serving alike, so all of them see byte-identical prompts. A training
 sample is that prompt followed by the final answer and EOS; the final answer and EOS carry labels, and with
 ``turns="all"`` so does every earlier assistant turn (its text and the end-of-turn token after it).
@@ -19,7 +19,7 @@ import torch
 
 from stitch.data.packing import Batch, Sample, collate_packs
 from stitch.data.sentinels import SentinelIds, resolve_sentinels
-from stitch.plugins.specs import SentinelSpec
+from stitch.plugins.specs import IMAGE_MARKER, SentinelSpec
 
 IGNORE_INDEX = -100
 Messages = Sequence[Mapping[str, str]]
@@ -36,6 +36,10 @@ class _Sentinels:
     placeholder: str
     end: str
 
+    @property
+    def marker(self) -> str:
+        return self.ids.marker
+
 
 def _sentinels(tokenizer: Any, sentinels: SentinelIds | SentinelSpec) -> _Sentinels:
     if isinstance(sentinels, SentinelSpec):
@@ -44,13 +48,16 @@ def _sentinels(tokenizer: Any, sentinels: SentinelIds | SentinelSpec) -> _Sentin
     return _Sentinels(sentinels, start, placeholder, end)
 
 
+def _marker(sentinels: SentinelIds | SentinelSpec) -> str:
+    return sentinels.marker
+
+
 def media_block(tokenizer: Any, sentinels: SentinelIds | SentinelSpec, tokens_per_item: int, num_items: int) -> str:
     """``(start + placeholder x tokens_per_item + end) x num_items`` as text."""
     s = _sentinels(tokenizer, sentinels)
     return (s.start + s.placeholder * tokens_per_item + s.end) * num_items
 
 
-IMAGE_MARKER = "<image>"  # where a media item stands in a user turn (LLaVA's spelling; content parts map to it)
 TrainTurns = Literal["all", "last"]
 
 
@@ -60,30 +67,31 @@ def _conversation(question: str | Messages) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in question]
 
 
-def image_markers(messages: Messages) -> int:
-    """How many ``<image>`` markers the conversation's user and system turns hold (assistant text keeps its own)."""
-    return sum(m["content"].count(IMAGE_MARKER) for m in messages if m["role"] != "assistant")
+def image_markers(messages: Messages, marker: str = IMAGE_MARKER) -> int:
+    """How many ``marker`` markers (``<image>``, or ``<video>`` for a video layout) the conversation's user and
+    system turns hold (assistant text keeps its own)."""
+    return sum(m["content"].count(marker) for m in messages if m["role"] != "assistant")
 
 
-def _media_layout(messages: list[dict[str, str]], num_items: int) -> tuple[list[int], int]:
+def _media_layout(messages: list[dict[str, str]], num_items: int, marker: str) -> tuple[list[int], int]:
     """``(users, markers)``: the user turns' indices and the markers the conversation holds; refuses a prompt
     without a user turn, or markers that do not match ``num_items``."""
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:
         raise CollatorError(f"a prompt needs a user turn; got roles {[m['role'] for m in messages]}")
-    markers = image_markers(messages)
+    markers = image_markers(messages, marker)
     if markers and markers != num_items:
-        raise CollatorError(f"the conversation holds {markers} {IMAGE_MARKER} markers but the row has {num_items} "
+        raise CollatorError(f"the conversation holds {markers} {marker} markers but the row has {num_items} "
                             f"media items; each item needs one marker where it stands, or no marker at all")
     return users, markers
 
 
-def _content_pieces(message: Mapping[str, str], media: Any, markers: int) -> list[Any]:
+def _content_pieces(message: Mapping[str, str], media: Any, markers: int, marker: str) -> list[Any]:
     """A message's content as pieces: text, and ``media`` where each marker stands (user and system turns)."""
     if not markers or message["role"] == "assistant":
         return [message["content"]]
     pieces: list[Any] = []
-    for k, text in enumerate(message["content"].split(IMAGE_MARKER)):
+    for k, text in enumerate(message["content"].split(marker)):
         if k:
             pieces.append(media)
         if text:
@@ -103,12 +111,13 @@ def render_prompt(
     Tokenize prompts with ``prompt_token_ids``, never by tokenizing this text (a sentinel spelled in the question
     would become a control token)."""
     messages = _conversation(question)
-    users, markers = _media_layout(messages, num_items)
+    marker = _marker(sentinels)
+    users, markers = _media_layout(messages, num_items, marker)
     block = media_block(tokenizer, sentinels, tokens_per_item, 1)
     if markers:
         for message in messages:
             if message["role"] != "assistant":
-                message["content"] = message["content"].replace(IMAGE_MARKER, block)
+                message["content"] = message["content"].replace(marker, block)
     elif num_items:
         first = messages[users[0]]
         first["content"] = f"{block * num_items}\n{first['content']}"
@@ -145,7 +154,7 @@ def _prompt_with_spans(
     """``prompt_token_ids`` and, per message index, the ``[start, end)`` of its content's ids."""
     s = _sentinels(tokenizer, sentinels)
     messages = _conversation(question)
-    users, markers = _media_layout(messages, num_items)
+    users, markers = _media_layout(messages, num_items, s.marker)
     media = [s.ids.start, *[s.ids.placeholder] * tokens_per_item, s.ids.end]
     pieces: list[list[int] | str] = []
     owner: list[int] = []  # the message each piece belongs to
@@ -157,7 +166,7 @@ def _prompt_with_spans(
 
     marked = []
     for i, message in enumerate(messages):
-        content = "".join(mark(p, i) for p in _content_pieces(message, media, markers))
+        content = "".join(mark(p, i) for p in _content_pieces(message, media, markers, s.marker))
         if num_items and not markers and i == users[0]:
             content = f"{mark(media * num_items, i)}\n{content}"
         marked.append({"role": message["role"], "content": content})

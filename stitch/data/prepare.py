@@ -227,7 +227,8 @@ class _Preparation:
                 raw = next(rows, None)
                 if raw is None:
                     return
-                row = scan_row(raw, ds.data.columns, position)  # type: ignore[arg-type]
+                row = scan_row(raw, ds.data.columns, position,  # type: ignore[arg-type]
+                               ds.prompts.sentinels.marker)
                 if ds.named:
                     row.id = f"{ds.name}:{row.id}"
             yield row

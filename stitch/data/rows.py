@@ -32,7 +32,7 @@ from stitch.data.feature_cache import (
 from stitch.data.sentinels import SentinelIds
 from stitch.kernels.prepare_workers import stack_chunk
 from stitch.kernels.shared_slots import SharedSlots, SlotRef
-from stitch.plugins.specs import EncoderSpec
+from stitch.plugins.specs import VIDEO_MARKER, EncoderSpec
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -281,11 +281,12 @@ def media_items(value: Any, row_id: str, position: int, column: str) -> list[Any
 
 
 _IMAGE_PARTS = {"image", "image_url", "input_image"}  # content-part types that stand for one media item
+_VIDEO_PARTS = {"video", "video_url"}  # ... for one video clip (a video encoder's <video> marker)
 
 
 def _content_text(content: Any) -> str | None:
     """A turn's content as text: a string as it is, or OpenAI-style content parts joined, each image part
-    becoming an ``<image>`` marker where it stands; None when it is neither."""
+    becoming an ``<image>`` marker where it stands (a video part a ``<video>`` marker); None when it is neither."""
     if isinstance(content, str):
         return content
     if isinstance(content, int | float) and not isinstance(content, bool):
@@ -297,6 +298,8 @@ def _content_text(content: Any) -> str | None:
         kind = part.get("type")
         if kind in _IMAGE_PARTS:
             out.append(IMAGE_MARKER)
+        elif kind in _VIDEO_PARTS:
+            out.append(VIDEO_MARKER)
         elif kind == "text" and isinstance(part.get("text"), str):
             out.append(part["text"])
         else:
@@ -344,12 +347,13 @@ def _turn_field(turn: Any, *names: str) -> Any:
 
 
 def check_media_count(messages: list[dict[str, str]], values: list[Any], row_id: str, position: int,
-                      column: str) -> None:
-    """A conversation with ``<image>`` markers must hold one per media item (each item goes where its marker
-    stands); one without markers takes its items at the start of the first user turn."""
-    markers = image_markers(messages)
+                      column: str, marker: str = IMAGE_MARKER) -> None:
+    """A conversation with ``marker`` markers (``<image>``; ``<video>`` for a video encoder) must hold one per
+    media item (each item goes where its marker stands); one without markers takes its items at the start of the
+    first user turn."""
+    markers = image_markers(messages, marker)
     if markers and markers != len(values):
-        raise InvalidRow(row_id, position, column, f"{markers} {IMAGE_MARKER} marker(s) in the text but "
+        raise InvalidRow(row_id, position, column, f"{markers} {marker} marker(s) in the text but "
                                                    f"{len(values)} media item(s); expected one marker per item",
                          "image-count")
 
@@ -397,9 +401,9 @@ def _check_columns(raw: Mapping[str, Any], cols: ColumnMapping, row_id: str) -> 
             raise _missing_column(column, role, raw, row_id)
 
 
-def scan_row(raw: Mapping[str, Any], cols: ColumnMapping, position: int) -> ScannedRow:
+def scan_row(raw: Mapping[str, Any], cols: ColumnMapping, position: int, marker: str = IMAGE_MARKER) -> ScannedRow:
     """One row as read from the stream, its ``cols`` checked; an error is kept with the row (raised when the run
-    reaches it, in stream order)."""
+    reaches it, in stream order). ``marker``: the text marker of the encoder's media (``<video>``)."""
     row = ScannedRow(f"row{position}", position)
     try:
         row.id = _row_id(raw, cols, position)
@@ -407,7 +411,7 @@ def scan_row(raw: Mapping[str, Any], cols: ColumnMapping, position: int) -> Scan
         row.messages = _messages(raw, cols, row.id, position)
         row.extra = _extra(raw, cols, row.id, position)
         row.values = media_items(raw[cols.media], row.id, position, cols.media)
-        check_media_count(row.messages, row.values, row.id, position, cols.media)
+        check_media_count(row.messages, row.values, row.id, position, cols.media, marker)
     except (InvalidRow, PrepareError) as exc:
         row.error = exc
     return row
@@ -497,8 +501,8 @@ class MediaDecoder:
                 hashes.append(media_fingerprint(value))
             except _BadMedia as exc:
                 return exc.kind, str(exc)
-            except (ValueError, OSError) as exc:
-                return "corrupt-media", f"corrupt media ({exc})"
+            except (ValueError, OSError) as exc:  # an encoder may name the kind (e.g. video-too-long)
+                return getattr(exc, "kind", "corrupt-media"), f"corrupt media ({exc})"
             except TypeError as exc:
                 return "media-type", str(exc)
         return hashes, items

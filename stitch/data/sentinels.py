@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stitch.plugins.specs import SentinelSpec
+from stitch.plugins.specs import IMAGE_MARKER, SentinelSpec
 
 
 @dataclass(frozen=True)
@@ -13,6 +13,7 @@ class SentinelIds:
     start: int
     placeholder: int
     end: int
+    marker: str = IMAGE_MARKER  # the text marker an item of this layout stands at (``<image>``, ``<video>``)
 
     def as_dict(self) -> dict[str, int]:
         return {"start": self.start, "placeholder": self.placeholder, "end": self.end}
@@ -38,4 +39,4 @@ def resolve_sentinels(spec: SentinelSpec, tokenizer: Any) -> SentinelIds:
         ids.append(encoded[0])
     if len(set(ids)) != 3:
         raise SentinelError(f"sentinels of set {spec.name!r} are not distinct in tokenizer {where!r}: {ids}")
-    return SentinelIds(*ids)
+    return SentinelIds(*ids, marker=spec.marker)

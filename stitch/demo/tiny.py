@@ -55,8 +55,12 @@ def train_tokenizer(
     corpus: Iterable[str] | None = None,
     bos_token: str | None = None,
     extra_config: dict | None = None,
+    appended_tokens: Sequence[str] = (),
 ) -> None:
-    """Train a byte-level BPE on ``corpus`` and save it as a ``PreTrainedTokenizerFast`` in ``out_dir``."""
+    """Train a byte-level BPE on ``corpus`` and save it as a ``PreTrainedTokenizerFast`` in ``out_dir``.
+
+    ``appended_tokens``: special tokens added after training, so their ids follow the whole trained vocabulary: a
+    preset that gains a control token (a video's brackets) keeps every id it had, and with them its trained weights."""
     from tokenizers import (  # deferred: plugin loading skips transformers
         Tokenizer,
         decoders,
@@ -76,12 +80,14 @@ def train_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(list(corpus if corpus is not None else task_corpus()), trainer=trainer)
+    tok.add_special_tokens(list(appended_tokens))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=eos_token,
         pad_token=pad_token,
         bos_token=bos_token,
-        additional_special_tokens=[t for t in special_tokens if t not in {eos_token, pad_token, bos_token}],
+        additional_special_tokens=[t for t in (*special_tokens, *appended_tokens)
+                                   if t not in {eos_token, pad_token, bos_token}],
     )
     fast.chat_template = chat_template
     out_dir.mkdir(parents=True, exist_ok=True)

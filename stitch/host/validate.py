@@ -7,6 +7,7 @@ from stitch.config.options import StageOptions
 from stitch.config.recipe import Recipe, RecipeError
 from stitch.config.validate import check_parallel, fail
 from stitch.plugins.registry import Registry
+from stitch.plugins.specs import SentinelLayoutError
 from stitch.tasks import TaskError, check_task
 
 PACKED_STAGES = ("alignment", "sft")  # stages whose options carry a token_budget
@@ -18,7 +19,11 @@ def validate_recipe(recipe: Recipe, host: Registry) -> dict[str, StageOptions]:
     model = host.get("models", recipe.model)
     encoder = host.get("encoders", recipe.encoder)
     host.get("projectors", recipe.projector)
-    host.get("token_sentinels", model.sentinels)
+    try:  # the family brackets this encoder's modality (a video encoder needs video sentinels)
+        host.get("token_sentinels", model.sentinels).for_modality(encoder.modality)
+    except SentinelLayoutError as exc:
+        fail(recipe, f"field 'encoder': {recipe.encoder!r} is a {encoder.modality} encoder, but model "
+                      f"{recipe.model!r}: {exc}")
     try:  # the task's reward/grader import and its DPO pair source, before any data or weights
         check_task(recipe, host)
     except TaskError as exc:

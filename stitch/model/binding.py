@@ -114,7 +114,9 @@ class ModelBinding:
         encoder_spec = registry.get("encoders", encoder)
         registry.get("projectors", projector)
         tokenizer = load_tokenizer(model_spec)
-        sentinel_ids = resolve_sentinels(registry.get("token_sentinels", model_spec.sentinels), tokenizer)
+        # a video encoder's clips are bracketed by the family's video sentinels, behind the <video> marker
+        layout = registry.get("token_sentinels", model_spec.sentinels).for_modality(encoder_spec.modality)
+        sentinel_ids = resolve_sentinels(layout, tokenizer)
         control = {"pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id}
         clash = {role: name for role, i in sentinel_ids.as_dict().items() for name, c in control.items() if i == c}
         if clash:  # a placeholder equal to pad would be masked as padding; equal to eos, it would end every prompt

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,19 +119,46 @@ class EncoderSpec:
         return self.load_preprocess(self.source) if self.load_preprocess is not None else None
 
 
+IMAGE_MARKER = "<image>"  # where an image stands in a turn's text (LLaVA's spelling; content parts map to it)
+VIDEO_MARKER = "<video>"  # where a video clip stands
+
+
+class SentinelLayoutError(ValueError):
+    """A tokenizer family has no sentinel layout for an encoder's modality."""
+
+
 @dataclass(frozen=True)
 class SentinelSpec:
-    """Single-token markers that bracket the soft tokens of one item, for one tokenizer family."""
+    """Single-token markers that bracket the soft tokens of one item, for one tokenizer family.
+
+    ``video_start`` / ``video_end`` (optional) bracket a video clip's soft tokens instead, so the LM tells a clip
+    from an image; the placeholder is shared. ``marker`` is the text marker an item of this layout stands at in a
+    turn (``<image>``; ``for_modality("video")`` gives the ``<video>`` layout)."""
 
     name: str  # the tokenizer family, e.g. "qwen3.5"
     start: str
     placeholder: str
     end: str
     description: str = ""
+    video_start: str | None = None
+    video_end: str | None = None
+    marker: str = IMAGE_MARKER
 
     @property
     def tokens(self) -> tuple[str, str, str]:
         return (self.start, self.placeholder, self.end)
+
+    def for_modality(self, modality: str) -> SentinelSpec:
+        """The layout an encoder of ``modality`` uses: a video's own start/end around the shared placeholder and
+        the ``<video>`` marker; every other modality this set as registered."""
+        if modality != "video":
+            return self
+        if self.video_start is None or self.video_end is None:
+            raise SentinelLayoutError(
+                f"sentinel set {self.name!r} declares no video_start/video_end tokens, so it cannot bracket a video "
+                f"clip; use a model whose sentinel set declares them (e.g. 'qwen3.5', 'nemotron-h') or an image "
+                f"encoder")
+        return replace(self, start=self.video_start, end=self.video_end, marker=VIDEO_MARKER)
 
 
 @dataclass(frozen=True)

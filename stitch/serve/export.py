@@ -36,7 +36,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, registry: Registry, *,
     binding = ModelBinding.for_artifact(projector_manifest, f"checkpoint {resolved.step_dir}", registry, dtype=dtype,
                                         device="cpu")
     model_spec, encoder_spec, tokenizer = binding.model_spec, binding.encoder_spec, binding.tokenizer
-    sentinel_spec = binding.registry.get("token_sentinels", model_spec.sentinels)
+    # the layout of the encoder's modality: a video checkpoint's clips are bracketed by the family's video tokens
+    sentinel_spec = binding.registry.get("token_sentinels", model_spec.sentinels).for_modality(encoder_spec.modality)
     sentinel_ids = binding.sentinel_ids
     if sentinel_ids.as_dict() != projector_manifest["sentinel_ids"]:
         raise ValueError(f"{resolved.projector_dir}: the projector was trained with sentinel ids "
@@ -66,7 +67,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, registry: Registry, *,
                           "end": sentinel_spec.end, "ids": sentinel_ids.as_dict()},
             # the prompt: the chat template over one user turn "<media block>\n<question>", generation prompt on
             "prompt": {"media_block": media_block(tokenizer, sentinel_ids, tokens, 1), "media_position":
-                       "first user turn, followed by a newline", "chat_template": "model/tokenizer_config.json"},
+                       f"where each {sentinel_spec.marker} marker stands, else opening the first user turn, followed "
+                       f"by a newline", "chat_template": "model/tokenizer_config.json"},
         }
         (tmp / "stitch-export.json").write_text(json.dumps(manifest, indent=2))
         if out_dir.exists():

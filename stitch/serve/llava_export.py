@@ -72,6 +72,9 @@ def llava_refusal(encoder_spec: Any, projector_type: str) -> str | None:
     if projector_type not in LLAVA_PROJECTORS:
         return (f"projector {projector_type!r} has no LLaVA counterpart (LLaVA's projector is "
                 f"{' or '.join(LLAVA_PROJECTORS)})")
+    if encoder_spec.modality != "image":  # a clip's frames are a CLIP tower's input too, but LLaVA reads one image
+        return (f"encoder {encoder_spec.name!r} encodes {encoder_spec.modality} ({encoder_spec.tokens_per_item} tokens "
+                f"per item); the llava format holds image encoders only")
     model_type = getattr(encoder_config(encoder_spec), "model_type", None)
     if model_type not in CLIP_MODEL_TYPES:
         return (f"encoder {encoder_spec.name!r} is a {model_type!r} model; the llava format takes CLIP-family "

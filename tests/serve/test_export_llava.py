@@ -240,10 +240,13 @@ def test_encoders_and_projectors_llava_cannot_express_are_refused_by_name(host, 
     from transformers import Qwen3Config
 
     Qwen3Config(hidden_size=8, num_hidden_layers=1, num_attention_heads=1).save_pretrained(tmp_path)
-    not_clip = SimpleNamespace(name="audio-enc", source=SimpleNamespace(pretrained_kwargs=lambda: {
+    not_clip = SimpleNamespace(name="audio-enc", modality="image", source=SimpleNamespace(pretrained_kwargs=lambda: {
         "pretrained_model_name_or_path": str(tmp_path)}))
     assert "'audio-enc' is a 'qwen3' model" in llava_refusal(not_clip, "mlp2x_gelu")
     assert "projector 'perceiver' has no LLaVA counterpart" in llava_refusal(not_clip, "perceiver")
     clip = host.get("encoders", "clip-tiny")
     assert llava_refusal(clip, "mlp2x_gelu") is None
+    # the video route over the same CLIP tower: LLaVA would read a clip's frames as one image
+    refusal = llava_refusal(host.get("encoders", "clip-tiny-video"), "mlp2x_gelu")
+    assert "'clip-tiny-video' encodes video (98 tokens per item)" in refusal, refusal
     assert issubclass(LlavaExportError, ValueError)
