@@ -6,6 +6,7 @@ line is one row: id, partition, chat messages, feature keys (shard + index), sha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from stitch.plugins.specs import TaskRow
+from stitch.plugins.specs import EncoderSpec, TaskRow
 from stitch.runs.digest import file_sha256
 
 CACHE_DIRNAME = "feature-cache"
@@ -346,3 +347,41 @@ class FeatureCache:
                 f"row {row.id!r}: cached features have shape {tuple(features.shape)}, manifest says {expected}"
             )
         return features
+
+
+def encoder_identity(spec: EncoderSpec, dtype: str, preprocess: Any = None) -> dict[str, Any]:
+    source = spec.source.identity()
+    identity = {
+        "encoder": spec.name,
+        "encoder_id": source["id"],
+        "encoder_revision": source["revision"],
+        "tokens": spec.tokens_per_item,
+        "width": spec.feature_width,
+        "dtype": dtype,
+    }
+    if preprocess is not None:  # features made through another preprocessing are other features
+        identity["preprocess"] = getattr(preprocess, "identity", type(preprocess).__qualname__)
+    return identity
+
+
+def shard_key(identity: Mapping[str, Any], item_hashes: Iterable[str]) -> str:
+    """The shard's file stem: a hash of the encoder identity and the ordered media hashes it encodes."""
+    payload = json.dumps({"format": SHARD_FORMAT, **identity, "items": list(item_hashes)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:40]
+
+
+def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any]) -> str:
+    """Write ``features`` to ``path`` atomically (a temp file in the same directory, then rename), and its sha256
+    beside it (``<name>.sha256``); returns the sha256 that readers verify before use."""
+    tmp = cache_temp_path(path)
+    # one metadata key: safetensors writes a multi-key map in random order, and shards must be byte-stable
+    meta = {SHARD_FORMAT: json.dumps(dict(metadata), sort_keys=True)}
+    try:
+        digest = write_tensor_file(tmp, SHARD_TENSOR, features, meta)
+        os.chmod(tmp, 0o644)  # readable like any other prepared file
+        write_digest(path, digest)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return digest

@@ -32,8 +32,11 @@ from stitch.data.feature_cache import (
     TMP_PREFIX,
     FeatureKey,
     ManifestLines,
+    encoder_identity,
     shard_digest_path,
+    shard_key,
     verified_shard_digest,
+    write_shard,
 )
 from stitch.data.rows import (
     BudgetExceeded,
@@ -45,17 +48,14 @@ from stitch.data.rows import (
     RowDecoder,
     ScannedRow,
     describe_skips,
-    encoder_identity,
     media_paths,
     open_stream,
     preprocess_for,
     raw_media_stream,
     scan_row,
-    shard_key,
     skipped_by_reason,
     stream_rows,
     tree_bytes,
-    write_shard,
 )
 from stitch.data.sentinels import SentinelIds
 from stitch.kernels.prepare_workers import (

@@ -1,5 +1,6 @@
 """Preparation's row semantics: the source opened as a stream, each row's columns read and checked, its media paths
-confined and fingerprinted, its conversation tokenized as training will; the shard keys and the atomic shard write.
+confined and fingerprinted, its conversation tokenized as training will. The shard keys and the atomic shard write are
+``stitch.data.feature_cache``'s.
 ``stitch.data.prepare`` runs these over a dataset, in order."""
 
 from __future__ import annotations
@@ -7,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -22,17 +22,10 @@ from jinja2 import TemplateError
 from stitch.config.data import BuiltinSource, ColumnMapping, DataSource, HubSource, LocalSource
 from stitch.config.recipe import Recipe
 from stitch.data.collator import IMAGE_MARKER, image_markers, tokenize_example
-from stitch.data.feature_cache import (
-    SHARD_FORMAT,
-    SHARD_TENSOR,
-    cache_temp_path,
-    write_digest,
-    write_tensor_file,
-)
 from stitch.data.sentinels import SentinelIds
 from stitch.kernels.prepare_workers import stack_chunk
 from stitch.kernels.shared_slots import SharedSlots, SlotRef
-from stitch.plugins.specs import VIDEO_MARKER, EncoderSpec
+from stitch.plugins.specs import VIDEO_MARKER
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -561,41 +554,3 @@ def preprocess_for(preprocess: Any, device: str, decode: str) -> Any:
             f"data.prepare.decode: cpu"
         )
     return chosen
-
-
-def encoder_identity(spec: EncoderSpec, dtype: str, preprocess: Any = None) -> dict[str, Any]:
-    source = spec.source.identity()
-    identity = {
-        "encoder": spec.name,
-        "encoder_id": source["id"],
-        "encoder_revision": source["revision"],
-        "tokens": spec.tokens_per_item,
-        "width": spec.feature_width,
-        "dtype": dtype,
-    }
-    if preprocess is not None:  # features made through another preprocessing are other features
-        identity["preprocess"] = getattr(preprocess, "identity", type(preprocess).__qualname__)
-    return identity
-
-
-def shard_key(identity: Mapping[str, Any], item_hashes: Iterable[str]) -> str:
-    """The shard's file stem: a hash of the encoder identity and the ordered media hashes it encodes."""
-    payload = json.dumps({"format": SHARD_FORMAT, **identity, "items": list(item_hashes)}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:40]
-
-
-def write_shard(path: Path, features: torch.Tensor, metadata: Mapping[str, Any]) -> str:
-    """Write ``features`` to ``path`` atomically (a temp file in the same directory, then rename), and its sha256
-    beside it (``<name>.sha256``); returns the sha256 that readers verify before use."""
-    tmp = cache_temp_path(path)
-    # one metadata key: safetensors writes a multi-key map in random order, and shards must be byte-stable
-    meta = {SHARD_FORMAT: json.dumps(dict(metadata), sort_keys=True)}
-    try:
-        digest = write_tensor_file(tmp, SHARD_TENSOR, features, meta)
-        os.chmod(tmp, 0o644)  # readable like any other prepared file
-        write_digest(path, digest)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    return digest
