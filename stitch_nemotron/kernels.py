@@ -37,6 +37,10 @@ from stitch.accel import (
 
 FLA = "fla"
 REFERENCE = "reference"
+# chunk length of a cached prefill (a rollout's prompt): transformers' PyTorch chunk scan, which a cached call takes
+# without mamba_ssm, holds [rows, chunks, chunk, chunk, heads, state] products: at Nano-4B's chunk of 256 a GRPO
+# prefill of 8 prompts asked for 72 GiB on an 80 GB GPU. Memory goes with the chunk; the scan is exact at any chunk
+PREFILL_CHUNK = 32
 
 
 # -- backends: conv(x [1|B, T, D], weight [D, W], bias, activation, cu_seqlens) -> [.., T, D]
@@ -105,7 +109,8 @@ def _mixer_class():
     )
 
     class KernelMamba2Mixer(NemotronHMamba2Mixer):
-        """The stock mixer; without a cache its forward runs ``mamba2_forward`` on ``stitch_backend``."""
+        """The stock mixer; without a cache its forward runs ``mamba2_forward`` on ``stitch_backend``; a cached
+        prefill runs the stock forward in chunks of ``PREFILL_CHUNK``."""
 
         stitch_backend = FLA
 
@@ -115,6 +120,12 @@ def _mixer_class():
             if backend == FLA and not hidden_states.is_cuda:  # fla's kernels are Triton/CUDA only
                 backend = REFERENCE if cu_seqlens is not None else None
             cached = decode_cache_kwargs(cache_params, kwargs)
+            if cached is not None and hidden_states.shape[1] > 1 and self.chunk_size > PREFILL_CHUNK:
+                full, self.chunk_size = self.chunk_size, PREFILL_CHUNK  # a prefill: the same scan in short chunks
+                try:
+                    return super().forward(hidden_states, attention_mask=attention_mask, **cached)
+                finally:
+                    self.chunk_size = full
             if cached is not None or backend is None:
                 return super().forward(hidden_states, attention_mask=attention_mask, **(cached or kwargs))
             return mamba2_forward(self, hidden_states, attention_mask, cu_seqlens, backend=backend)

@@ -192,17 +192,26 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if not args.skip_stock:
         sft["allocated_gib_before_stock"] = allocated_gib()
-        try:  # stock's failure (out of memory, say) is recorded beside stitch's figures, not in place of them
-            lm, tok = stock_lm(snapshot, spec, lora, settings, shape.dtype)
-            stock = stock_sft(lm, tok, data, settings, args)
-            sft.update(stock_tokens_per_s=stock["tokens_per_s"], stock_peak_gib=stock["peak_gib"],
-                       vs_stock=round(stitch_tps / stock["tokens_per_s"], 3),
-                       stock_mfu_6n=mfu(flops, stock["tokens_per_s"])["mfu_6n"])
-            log(f"{name} stock sft: {json.dumps(stock)}")
+        lm, tok = stock_lm(snapshot, spec, lora, settings, shape.dtype)
+        budget = settings.budget
+        while sft["stock_tokens_per_s"] is None and budget >= 512:
+            try:  # out of memory: the largest row of a power-of-two fraction that fits (recorded beside the figure)
+                stock = stock_sft(lm, tok, data, dataclasses.replace(settings, budget=budget), args)
+                sft.update(stock_tokens_per_s=stock["tokens_per_s"], stock_peak_gib=stock["peak_gib"],
+                           stock_row_tokens=budget, vs_stock=round(stitch_tps / stock["tokens_per_s"], 3),
+                           stock_mfu_6n=mfu(flops, stock["tokens_per_s"])["mfu_6n"])
+                log(f"{name} stock sft at {budget} tokens a row: {json.dumps(stock)}")
+            except torch.OutOfMemoryError as exc:
+                sft.setdefault("stock_errors", []).append(f"{budget} tokens a row: OutOfMemoryError: {str(exc)[:200]}")
+                log(f"{name} stock: {sft['stock_errors'][-1]}")
+                budget //= 2
+                gc.collect()
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        try:
             grpo["generate_tokens_per_s"] = stock_generate(lm, tok, prompts * group, new_tokens, args)
         except torch.OutOfMemoryError as exc:
-            sft["stock_error"] = f"OutOfMemoryError: {str(exc)[:300]}"
-            log(f"{name} stock: {sft['stock_error']}")
+            grpo["generate_error"] = f"OutOfMemoryError: {str(exc)[:300]}"
+            log(f"{name} generate: {grpo['generate_error']}")
         lm = tok = None
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -19,6 +19,7 @@ from stitch.model.loading import load_model, packs_loaded
 from stitch_nemotron.generation import NemotronHForCausalLM
 from stitch_nemotron.kernels import (
     FLA,
+    PREFILL_CHUNK,
     REFERENCE,
     install_mamba2_kernels,
     mamba2_forward,
@@ -117,6 +118,29 @@ def test_generation_with_kernel_mixers_keeps_the_stock_cached_path(backend):
     prompt = torch.tensor([[3, 14, 15, 9, 2, 6]])
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert swapped.generate(prompt, **kwargs).tolist() == stock.generate(prompt, **kwargs).tolist()
+
+
+def test_a_cached_prefill_scans_in_short_chunks_and_generates_the_stock_tokens(monkeypatch):
+    """A rollout's prompt prefill on the stock PyTorch scan holds chunk x chunk products: the kernel mixers run it in
+    PREFILL_CHUNK-long chunks (the same tokens as the stock model) and give the mixer its own chunk length back."""
+    from transformers.models.nemotron_h import modeling_nemotron_h
+
+    stock = tiny_model(chunk=64)
+    swapped = tiny_model(chunk=64)
+    use_varlen(swapped, REFERENCE)
+    prompt = torch.arange(3, 3 + 2 * PREFILL_CHUNK + 5)[None]
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = stock.generate(prompt, **kwargs).tolist()
+    scan, chunks = modeling_nemotron_h.mamba2_chunk_scan, []
+
+    def spy(*args, **kw):
+        chunks.append((args[1].shape[1], kw["chunk_size"]))  # (sequence length, chunk) of each scan
+        return scan(*args, **kw)
+
+    monkeypatch.setattr(modeling_nemotron_h, "mamba2_chunk_scan", spy)
+    assert swapped.generate(prompt, **kwargs).tolist() == expected
+    assert chunks and {chunk for length, chunk in chunks if length > 1} == {PREFILL_CHUNK}
+    assert {m.chunk_size for m in mixers(swapped)} == {64}
 
 
 def test_nemotron_packs_only_where_the_varlen_kernels_run(monkeypatch):
