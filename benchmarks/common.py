@@ -168,10 +168,12 @@ def write_table(out_dir: Path) -> Path:
              "| suite | shape | figures | GPU | commit | date |", "| --- | --- | --- | --- | --- | --- |"]
     for path in sorted(out_dir.glob("*.json")):
         doc = json.loads(path.read_text())
-        for row in doc.get("rows", []):
+        for row in doc.get("rows", []):  # a row measured by an earlier call carries its own where and when
             figures = ", ".join(f"{k} {v}" for k, v in row["figures"].items())
-            lines.append(f"| {doc['suite']} | {row['shape']} | {figures} | {doc['machine'].get('gpu') or 'CPU'} "
-                         f"| {short_commit(doc.get('commit'))} | {doc['utc'][:10]} |")
+            where = row.get("measured") or {"gpu": doc["machine"].get("gpu"), "commit": doc.get("commit"),
+                                             "utc": doc["utc"]}
+            lines.append(f"| {doc['suite']} | {row['shape']} | {figures} | {where['gpu'] or 'CPU'} "
+                         f"| {short_commit(where['commit'])} | {where['utc'][:10]} |")
     target.write_text("\n".join(lines) + "\n")
     log(f"wrote {target}")
     return target

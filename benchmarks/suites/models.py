@@ -87,8 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "vs stock": sft.get("vs_stock"), "MFU 6N": sft["mfu_6n"], "MFU LoRA": sft["mfu_lora"],
                 "SFT GiB": sft["peak_gib"], "rollout row-steps/s": _round(grpo.get("rollout_row_steps_per_s")),
                 "generate tok/s": _round(grpo["generate_tokens_per_s"]), "vs generate": grpo.get("rollout_vs_generate"),
-                "rollout share": grpo.get("rollout_share"),
-                "on": (result.get("measured") or {}).get("gpu")}})
+                "rollout share": grpo.get("rollout_share")}, "measured": result.get("measured")})
     return {"models": results, "rows": rows}
 
 
