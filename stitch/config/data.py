@@ -16,9 +16,9 @@ from pydantic import (
     BeforeValidator,
     Discriminator,
     Field,
+    PlainSerializer,
     Tag,
     ValidationInfo,
-    field_serializer,
     field_validator,
     model_validator,
 )
@@ -233,8 +233,14 @@ def _partitions(value: Any) -> tuple[Partition, ...]:
     return tuple(parts)
 
 
+def _partitions_as_mapping(parts: tuple[Partition, ...]) -> dict[str, list[int]]:
+    """Partitions written back as a recipe spells them."""
+    return {p.name: [p.start, p.end] for p in parts}
+
+
 Partitions = Annotated[
-    tuple[Partition, ...], BeforeValidator(_partitions, json_schema_input_type=dict[str, tuple[int, int]])
+    tuple[Partition, ...], BeforeValidator(_partitions, json_schema_input_type=dict[str, tuple[int, int]]),
+    PlainSerializer(_partitions_as_mapping, return_type=dict[str, list[int]]),
 ]
 
 
@@ -307,10 +313,6 @@ class DataConfig:
     prepare: PrepareOptions = Field(default_factory=PrepareOptions, description="decode workers and encoder "
                                                                                 "compilation of stitch prepare")
 
-    @field_serializer("partitions")
-    def _partitions_as_mapping(self, parts: tuple[Partition, ...] | None) -> dict[str, list[int]] | None:
-        return None if parts is None else {p.name: [p.start, p.end] for p in parts}
-
     @model_validator(mode="after")
     def _enough_rows(self) -> DataConfig:
         if self.source is None:
@@ -382,10 +384,6 @@ class DatasetConfig:
                                                            "reported; null: data.on_corrupt")
     allow_paths_outside: Flag | None = Field(None, description="media paths may leave the source's directory; "
                                                                "null: data.allow_paths_outside")
-
-    @field_serializer("partitions")
-    def _partitions_as_mapping(self, parts: tuple[Partition, ...] | None) -> dict[str, list[int]] | None:
-        return None if parts is None else {p.name: [p.start, p.end] for p in parts}
 
     @model_validator(mode="after")
     def _rows_given(self) -> DatasetConfig:
