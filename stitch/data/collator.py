@@ -11,6 +11,7 @@ sample is that prompt followed by the final answer and EOS; the final answer and
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -176,32 +177,40 @@ def _prompt_with_spans(
     spans: dict[int, tuple[int, int]] = {}
     position = 0
     for match in _MARK.finditer(rendered):
-        ids += _text_ids(tokenizer, rendered[position : match.start()], markup=True)
+        ids += text_ids(tokenizer, rendered[position : match.start()], markup=True)
         index = int(match.group(1))
         seen.append(index)
         piece = pieces[index]
         begin = len(ids)
-        ids += piece if isinstance(piece, list) else _text_ids(tokenizer, piece, markup=False)
+        ids += piece if isinstance(piece, list) else text_ids(tokenizer, piece, markup=False)
         first, _ = spans.get(owner[index], (begin, begin))
         spans[owner[index]] = (first, len(ids))
         position = match.end()
-    ids += _text_ids(tokenizer, rendered[position:], markup=True)
+    ids += text_ids(tokenizer, rendered[position:], markup=True)
     if sorted(seen) != list(range(len(pieces))):
         raise CollatorError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} dropped or repeated "
                             f"message content ({len(pieces)} pieces, rendered {len(seen)})")
     return ids, spans
 
 
-def _text_ids(tokenizer: Any, text: str, *, markup: bool) -> list[int]:
-    """Token ids of template markup (special tokens recognised) or of data text (special-token strings split)."""
+_SPLIT_STATE = threading.Lock()
+
+
+def text_ids(tokenizer: Any, text: str, *, markup: bool) -> list[int]:
+    """Token ids of template markup (special tokens recognised) or of data text (special-token strings split).
+
+    A fast tokenizer keeps ``split_special_tokens`` as state on its Rust backend, set by each call and read while
+    the encoding runs without the GIL; the lock keeps one thread's setting from tokenizing another's text (a
+    server tokenizes concurrent requests on worker threads)."""
     if not text:
         return []
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=not markup)["input_ids"]
+    with _SPLIT_STATE:
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=not markup)["input_ids"]
 
 
 def answer_token_ids(tokenizer: Any, answer: str) -> list[int]:
     """The answer's ids, its text tokenized as text (special-token strings split), then EOS."""
-    return _text_ids(tokenizer, answer, markup=False) + [tokenizer.eos_token_id]
+    return text_ids(tokenizer, answer, markup=False) + [tokenizer.eos_token_id]
 
 
 def tokenize_example(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from stitch.data.collator import text_ids
 from stitch.data.sentinels import SentinelIds
 from stitch.model.scatter import scatter_soft_tokens
 from stitch.plugins.registry import Registry
@@ -81,22 +82,16 @@ def conversation_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]
     ids: list[int] = []
     position, seen = 0, []
     for match in _MARK.finditer(rendered):
-        ids += _tokens(tokenizer, rendered[position : match.start()], markup=True)
+        ids += text_ids(tokenizer, rendered[position : match.start()], markup=True)
         seen.append(int(match.group(1)))
         piece = pieces[seen[-1]]
-        ids += piece if isinstance(piece, list) else _tokens(tokenizer, piece, markup=False)
+        ids += piece if isinstance(piece, list) else text_ids(tokenizer, piece, markup=False)
         position = match.end()
-    ids += _tokens(tokenizer, rendered[position:], markup=True)
+    ids += text_ids(tokenizer, rendered[position:], markup=True)
     if sorted(seen) != list(range(len(pieces))):
         raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} dropped or repeated "
                          f"message content ({len(pieces)} pieces, rendered {len(seen)})")
     return ids
-
-
-def _tokens(tokenizer: Any, text: str, *, markup: bool) -> list[int]:
-    if not text:
-        return []
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=not markup)["input_ids"]
 
 
 def build_payload(payload: RolloutPayloadSpec, row_id: str, features: torch.Tensor,

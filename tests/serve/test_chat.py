@@ -8,6 +8,7 @@ import base64
 import dataclasses
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 
 import pytest
@@ -37,6 +38,18 @@ def test_one_turn_conversation_renders_the_exact_ids_infer_and_rollouts_use(inpu
     served = _ids(inputs, [{"role": "user", "content": [*[MEDIA] * items, QUESTION]}])
     assert served == prompt_token_ids(inputs["tokenizer"], QUESTION, inputs["sentinel_ids"], spec.tokens_per_item,
                                       items)
+
+
+def test_requests_tokenized_on_concurrent_threads_get_the_ids_each_gets_alone(inputs):
+    """A fast tokenizer's ``split_special_tokens`` is backend state: without the shared lock, one request's data text
+    (special tokens split) and another's template markup (special tokens whole) interleave on worker threads and a
+    prompt comes out longer than it is."""
+    messages = [[{"role": "user", "content": [MEDIA, f"{QUESTION} <|im_start|> {n}" * 40]}] for n in range(4)]
+    alone = [_ids(inputs, m) for m in messages]
+    with ThreadPoolExecutor(8) as pool:
+        rendered = list(pool.map(lambda i: _ids(inputs, messages[i % 4]), range(400)))
+    wrong = [i for i, ids in enumerate(rendered) if ids != alone[i % 4]]
+    assert not wrong, f"{len(wrong)} of 400 concurrent renders differ from the same render alone"
 
 
 def _block_starts(ids, sentinels):
