@@ -175,7 +175,8 @@ def load_step_state(step_dir: Path, optimizer: torch.optim.Optimizer | None) -> 
 def use_threads_of(state: dict[str, Any], step_dir: Path) -> None:
     """Continue with the intra-op thread count the checkpoint was written with. CPU kernels split reductions by
     thread count, so a process resuming with another count (another OMP_NUM_THREADS, another machine) drifts
-    from the uninterrupted run from the first update on (~1e-7 relative): exact resume needs the same count."""
+    from the uninterrupted run from the first update on (~1e-7 relative): exact resume needs the same count.
+    ``run_stage`` gives the caller's count back when the stage ends."""
     threads = state.get("intra_op_threads")
     if threads and threads != torch.get_num_threads():
         log.info("resuming %s with %d intra-op threads, as it was written (this process had %d)", step_dir, threads,

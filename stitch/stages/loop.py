@@ -235,6 +235,9 @@ def run_stage(recipe: Recipe, name: str, out_dir: Path, *, registry: Registry, r
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this for a data-parallel stage; rank 0 alone writes."""
     with ExitStack() as cleanup:  # closes what a stage opened (Ray-placed rollout workers), also on error
+        # a resume adopts its checkpoint's intra-op thread count for the stage (use_threads_of); the caller's
+        # count comes back after it, so a later stage or run in this process starts from its own count
+        cleanup.callback(torch.set_num_threads, torch.get_num_threads())
         if launch_rank() == 0:  # one process per run directory (torchrun's other ranks work under rank 0's lock)
             cleanup.enter_context(RunLock(Path(out_dir), f"train {name}"))
         ctx = setup(recipe, name, Path(out_dir), cleanup, registry=registry, resume=resume, progress=progress)

@@ -78,7 +78,10 @@ def test_full_sft_killed_midway_resumes_to_identical_metrics_and_lm_weights(full
     recipe_path, straight, _ = full_sft
     killed = _run_dir(prepared, tmp_path / "killed")
     train = cli("train", "sft", "--recipe", str(recipe_path), "--out", str(killed))
-    kill_after_checkpoint(train, killed / "sft" / "checkpoints", SAVE_EVERY, dict(os.environ))
+    # the killed process runs with the thread count of the uninterrupted one (this process, at fixture time)
+    written = json.loads((straight / "sft" / "checkpoints" / f"step_{SAVE_EVERY}" / "trainer_state.json").read_text())
+    env = {**os.environ, "OMP_NUM_THREADS": str(written["intra_op_threads"])}
+    kill_after_checkpoint(train, killed / "sft" / "checkpoints", SAVE_EVERY, env)
     assert not (killed / "sft" / "checkpoints" / f"step_{STEPS}").exists(), "killed too late to test a resume"
     run_stage(load_recipe(recipe_path), "sft", killed, resume=True, progress=False, registry=get_host())
     assert _records(killed) == _records(straight)  # every logged float, bitwise

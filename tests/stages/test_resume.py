@@ -168,3 +168,26 @@ def test_a_resume_under_another_thread_count_continues_bitwise_with_the_checkpoi
     for part in ("adapter/adapter_model.safetensors", "projector/mm-projector.safetensors"):
         a, b = (load_file(str(_step_dir(run, "sft", 6) / part)) for run in (straight, resumed))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+
+
+def test_an_in_process_resume_runs_with_the_checkpoints_threads_and_gives_the_callers_count_back(
+        prepared, tmp_path, caplog):
+    # stitch.api callers and pytest run several stages in one process: a resumed stage's thread count must not
+    # outlive it, or the next stage in the process runs with another count than a fresh process would
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__sft__steps=4, stages__sft__save_every=2))
+    run = tmp_path / "run"
+    copy_prepared(prepared / "run", run)
+    shutil.copytree(prepared / "run" / "alignment", run / "alignment")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        run_stage(recipe, "sft", run, max_steps=2, progress=False, registry=get_host())
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        with caplog.at_level("INFO", logger="stitch"):
+            run_stage(recipe, "sft", run, resume=True, progress=False, registry=get_host())
+        assert "with 1 intra-op threads, as it was written (this process had 2)" in caplog.text
+        assert json.loads((_step_dir(run, "sft", 4) / "trainer_state.json").read_text())["intra_op_threads"] == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

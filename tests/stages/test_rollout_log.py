@@ -3,6 +3,7 @@ table, and one "no learning signal" warning when every group scored alike for `f
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -92,8 +93,10 @@ def test_grpo_with_an_always_zero_reward_warns_once_and_logs_every_completion(sf
 
 
 def test_grpo_whose_groups_score_differently_does_not_warn(sft_run, tmp_path, monkeypatch, caplog):
+    # the reward alternates 0, 1, 0, 1 over its calls: every group of 4 scores differently, whatever was sampled
+    calls = itertools.count()
     with caplog.at_level(logging.WARNING, logger="stitch"):
-        summary, run = _grpo(sft_run, tmp_path, monkeypatch, lambda completion, row: float(len(completion) % 3))
+        summary, run = _grpo(sft_run, tmp_path, monkeypatch, lambda completion, row: float(next(calls) % 2))
     assert "no learning signal" not in caplog.text
     assert summary["flat_reward_steps_max"] == 0
     rows = [json.loads(line) for line in (run / "grpo" / "completions.jsonl").read_text().splitlines()]
