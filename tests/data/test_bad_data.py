@@ -266,8 +266,8 @@ def _tokenizer_that_reads_sentinel_text_as_control_tokens(monkeypatch) -> None:
     would do. Only the collator's own text path changes, so prepare and training both see it."""
     import stitch.data.collator as collator
 
-    real = collator._text_ids
-    monkeypatch.setattr(collator, "_text_ids", lambda tokenizer, text, markup: real(tokenizer, text, markup=True))
+    real = collator.text_ids
+    monkeypatch.setattr(collator, "text_ids", lambda tokenizer, text, markup: real(tokenizer, text, markup=True))
 
 
 def test_a_row_whose_prompt_would_not_collate_is_skipped_at_prepare_and_every_admitted_row_collates(
