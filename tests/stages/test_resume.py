@@ -174,20 +174,20 @@ def test_an_in_process_resume_runs_with_the_checkpoints_threads_and_gives_the_ca
         prepared, tmp_path, caplog):
     # stitch.api callers and pytest run several stages in one process: a resumed stage's thread count must not
     # outlive it, or the next stage in the process runs with another count than a fresh process would
-    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__sft__steps=4, stages__sft__save_every=2))
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__sft__steps=2, stages__sft__save_every=1))
     run = tmp_path / "run"
     copy_prepared(prepared / "run", run)
     shutil.copytree(prepared / "run" / "alignment", run / "alignment")
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        run_stage(recipe, "sft", run, max_steps=2, progress=False, registry=get_host())
+        run_stage(recipe, "sft", run, max_steps=1, progress=False, registry=get_host())
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
         with caplog.at_level("INFO", logger="stitch"):
             run_stage(recipe, "sft", run, resume=True, progress=False, registry=get_host())
         assert "with 1 intra-op threads, as it was written (this process had 2)" in caplog.text
-        assert json.loads((_step_dir(run, "sft", 4) / "trainer_state.json").read_text())["intra_op_threads"] == 1
+        assert json.loads((_step_dir(run, "sft", 2) / "trainer_state.json").read_text())["intra_op_threads"] == 1
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
