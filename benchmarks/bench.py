@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS_DIR, log, record_memory_at_oom, write_result, write_table  # noqa: E402
+from benchmarks.common import RESULTS_DIR, log, record_memory_at_oom, write_suite  # noqa: E402
 from benchmarks.suites import SUITES  # noqa: E402
 
 
@@ -47,9 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         args.work = args.work or Path(tmp)
         args.work.mkdir(parents=True, exist_ok=True)
         payload = module.run(args)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    write_result(args.suite, {"config": config, **payload}, args.out)
-    write_table(args.out)
+    write_suite(args, payload)
     for row in payload["rows"]:
         log(f"{args.suite} {row['shape']}: {row['figures']}")
 

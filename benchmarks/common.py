@@ -153,8 +153,19 @@ def write_result(suite: str, payload: dict[str, Any], out_dir: Path) -> Path:
     path = out_dir / f"{suite}.json"
     doc = {"suite": suite, "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit(),
            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(), **payload}
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    partial = path.with_suffix(".json.partial")  # a suite killed mid-write leaves the last whole file
+    partial.write_text(json.dumps(doc, indent=2) + "\n")
+    partial.replace(path)
     log(f"wrote {path}")
+    return path
+
+
+def write_suite(args: Any, payload: dict[str, Any]) -> Path:
+    """``args.out/SUITE.json`` for a suite's parsed options (recorded as its config) and its payload, and the
+    table regenerated: what bench.py writes at the end, and what a long suite writes as it goes."""
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    path = write_result(args.suite, {"config": config, **payload}, args.out)
+    write_table(args.out)
     return path
 
 

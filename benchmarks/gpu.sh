@@ -13,6 +13,9 @@ export STITCH_BENCH_COMMIT=${STITCH_BENCH_COMMIT:-}
 mkdir -p "$OUT" "$SITE"
 suites=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
+for suite in "${suites[@]}"; do  # the committed figures go along: models.json keeps the models this call does not run
+  [ -f "benchmarks/results/$suite.json" ] && cp "benchmarks/results/$suite.json" "$OUT/"
+done
 for carry in .whl .whl-data; do  # each carried folder once per machine (a warm machine keeps /tmp/site)
   [ -d "$carry" ] && [ ! -f "$SITE/.installed$carry" ] || continue
   (cd "$carry" && sha256sum -c --quiet SHA256SUMS) || exit 1

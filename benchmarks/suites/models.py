@@ -19,12 +19,13 @@ import json
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import commit, flops_per_token, log, mfu, peak_gib, reset_peak
+from benchmarks.common import commit, flops_per_token, log, mfu, peak_gib, reset_peak, write_suite
 from benchmarks.suites import harness
 from benchmarks.suites.real_size import active_params
 from benchmarks.suites.stock import stock_generate, stock_lm, stock_sft
@@ -66,30 +67,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Each model in turn; models.json is rewritten after each phase of each model (a stage's figures, the stock
+    figures), so a call cut off by its time limit still brings back what it measured."""
     tiny = args.shape == "tiny"
     names = (args.models or ("qwen3.5-4b" if tiny else ",".join(MODELS))).split(",")
     results = earlier_models(args.out / "models.json", tiny)
+
+    partial: dict[str, Any] = {}
+
+    def save(name: str, result: dict[str, Any]) -> None:
+        partial[name] = results[name] = {**result, "partial": True, "measured": measured_here()}
+        write_suite(args, {"models": results, "rows": rows_of(results, tiny)})
+
     for name in names:
         try:
-            result = one_model(name, args)
-        except Exception as exc:  # one model's failure is a result too; the others still run
+            result = one_model(name, args, lambda figures, name=name: save(name, figures))
+        except Exception as exc:  # one model's failure is a result too (beside what it measured); the others run
             log(f"{name}: FAILED {type(exc).__name__}: {exc}")
-            result = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+            result = {**partial.get(name, {}), "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
         results[name] = {**result, "measured": measured_here()}
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"models": results, "rows": rows_of(results, tiny)}
+
+
+def rows_of(results: dict[str, Any], tiny: bool) -> list[dict[str, Any]]:
+    """The RESULTS.md rows: one per model measured, the four seed models first; a model cut off mid-run says so."""
     rows = []
     for name in [m for m in MODELS if m in results] + [m for m in results if m not in MODELS]:
         result = results[name]
-        if "error" not in result:
-            sft, grpo = result["sft"], result["grpo"]
-            rows.append({"shape": name + (" (narrow)" if tiny else ""), "figures": {
+        if "sft" in result:
+            sft, grpo = result["sft"], result.get("grpo", {})
+            rows.append({"shape": name + (" (narrow)" if tiny else "") + (" (cut off)" if result.get("partial") or "error" in result else ""),
+                         "figures": {
                 "SFT tok/s": round(sft["stitch_tokens_per_s"]), "stock tok/s": _round(sft["stock_tokens_per_s"]),
                 "vs stock": sft.get("vs_stock"), "MFU 6N": sft["mfu_6n"], "MFU LoRA": sft["mfu_lora"],
                 "SFT GiB": sft["peak_gib"], "rollout row-steps/s": _round(grpo.get("rollout_row_steps_per_s")),
-                "generate tok/s": _round(grpo["generate_tokens_per_s"]), "vs generate": grpo.get("rollout_vs_generate"),
+                "generate tok/s": _round(grpo.get("generate_tokens_per_s")), "vs generate": grpo.get("rollout_vs_generate"),
                 "rollout share": grpo.get("rollout_share")}, "measured": result.get("measured")})
-    return {"models": results, "rows": rows}
+    return rows
 
 
 def earlier_models(path: Path, tiny: bool) -> dict[str, Any]:
@@ -118,7 +134,7 @@ def _round(value: float | None) -> int | None:
     return None if value is None else round(value)
 
 
-def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def one_model(name: str, args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     from stitch.model.snapshots import write_model_snapshot
 
     tiny = args.shape == "tiny"
@@ -180,14 +196,19 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if "profile" in summary:
         sft["profile_top"] = summary["profile"]["top"]
     log(f"{name} sft: {json.dumps(sft)}")
+    params_of = {"snapshot": str(snapshot), "params": params, "trainable": trainable}
+    grpo: dict[str, Any] = {"generate_tokens_per_s": None}
+    save({**params_of, "sft": sft, "grpo": grpo})
     gc.collect()
-    grpo: dict[str, Any] = {"generate_tokens_per_s": None, "allocated_gib_before": allocated_gib()}
+    grpo["allocated_gib_before"] = allocated_gib()
     try:  # stitch's GRPO before stock loads anything: its peak is its own
         grpo.update(stitch_grpo(recipe, run_dir, prompts * group, 1 + grpo_steps))
     except torch.OutOfMemoryError as exc:  # recorded with where the memory was, the other figures still stand
         grpo["error"] = f"OutOfMemoryError: {str(exc)[:300]}"
         grpo["memory"] = torch.cuda.memory_summary(abbreviated=True)[-3000:]
         log(grpo["memory"])
+    log(f"{name} stitch grpo: {json.dumps({k: v for k, v in grpo.items() if k != 'memory'})}")
+    save({**params_of, "sft": sft, "grpo": grpo})
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if not args.skip_stock:
@@ -201,6 +222,7 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                            stock_row_tokens=budget, vs_stock=round(stitch_tps / stock["tokens_per_s"], 3),
                            stock_mfu_6n=mfu(flops, stock["tokens_per_s"])["mfu_6n"])
                 log(f"{name} stock sft at {budget} tokens a row: {json.dumps(stock)}")
+                save({**params_of, "sft": sft, "grpo": grpo})
             except torch.OutOfMemoryError as exc:
                 sft.setdefault("stock_errors", []).append(f"{budget} tokens a row: OutOfMemoryError: {str(exc)[:200]}")
                 log(f"{name} stock: {sft['stock_errors'][-1]}")
@@ -218,7 +240,7 @@ def one_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if grpo.get("generate_tokens_per_s") and grpo.get("rollout_row_steps_per_s"):
         grpo["rollout_vs_generate"] = round(grpo["rollout_row_steps_per_s"] / grpo["generate_tokens_per_s"], 2)
     log(f"{name} grpo: {json.dumps({k: v for k, v in grpo.items() if k != 'memory'})}")
-    result = {"snapshot": str(snapshot), "params": params, "trainable": trainable, "sft": sft, "grpo": grpo}
+    result = {**params_of, "sft": sft, "grpo": grpo}
     log(f"{name}: {json.dumps(result)}")
     if not args.keep and not tiny and args.snapshots is not None:
         shutil.rmtree(snapshot, ignore_errors=True)

@@ -93,3 +93,28 @@ def test_the_models_suite_keeps_the_models_an_earlier_call_measured_at_the_same_
     assert list(earlier_models(path, tiny=False)) == ["qwen3.5-4b"]
     assert earlier_models(path, tiny=True) == {}
     assert earlier_models(tmp_path / "absent.json", tiny=False) == {}
+
+
+def test_a_models_call_cut_off_mid_model_leaves_the_figures_it_measured_in_models_json(tmp_path, monkeypatch):
+    """A GPU call ends at its time limit: the stage figures a model measured before the cut are on disk already
+    (written after each phase), and a model that then failed keeps them beside its error, marked cut off."""
+    import argparse
+
+    from benchmarks.suites import models
+
+    sft = {"stitch_tokens_per_s": 10.0, "stock_tokens_per_s": None, "mfu_6n": 0.1, "mfu_lora": 0.05, "peak_gib": 1.0}
+    seen_on_disk = []
+
+    def one_model(name, args, save):
+        save({"sft": sft, "grpo": {"generate_tokens_per_s": None}})
+        seen_on_disk.append(json.loads((args.out / "models.json").read_text())["models"][name]["sft"])
+        raise RuntimeError("stock ran out of time")
+
+    monkeypatch.setattr(models, "one_model", one_model)
+    args = argparse.Namespace(suite="models", shape="dense4b", models="qwen3.5-4b", out=tmp_path / "out")
+    payload = models.run(args)
+    assert seen_on_disk == [sft]
+    entry = payload["models"]["qwen3.5-4b"]
+    assert entry["sft"] == sft and entry["error"] == "RuntimeError: stock ran out of time"
+    assert [row["shape"] for row in payload["rows"]] == ["qwen3.5-4b (cut off)"]
+    assert "qwen3.5-4b (cut off)" in (tmp_path / "out" / "RESULTS.md").read_text()
