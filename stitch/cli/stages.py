@@ -144,7 +144,8 @@ def prepare(
                                                         "cpu, cuda, cuda:1...)."),
 ) -> None:
     """Stream the recipe's dataset, encode each row once, write feature-cache/ + manifest.jsonl."""
-    from stitch.data.prepare import REPORT_NAME, describe_skips  # deferred: stitch --help skips torch
+    from stitch.data.prepare import describe_skips  # deferred: stitch --help skips torch
+    from stitch.data.prepare_report import REPORT_NAME  # deferred: stitch --help skips torch
     from stitch.model.binding import ModelBinding  # deferred: stitch --help skips torch
     from stitch.stages.chain import prepare_data  # deferred: stitch --help skips torch
 

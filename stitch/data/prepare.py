@@ -5,10 +5,8 @@ resumes from the shards it finished."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
-import json
 import os
 import shutil
 import tempfile
@@ -16,8 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +35,7 @@ from stitch.data.feature_cache import (
     verified_shard_digest,
     write_shard,
 )
+from stitch.data.prepare_report import REPORT_NAME, PrepareReport, finished_report, write_refusal
 from stitch.data.rows import (
     BudgetExceeded,
     InvalidRow,
@@ -58,62 +56,14 @@ from stitch.data.rows import (
     tree_bytes,
 )
 from stitch.data.sentinels import SentinelIds
-from stitch.kernels.prepare_workers import (
-    SHARD_WRITERS,
-    ChunkDecoding,
-    ObjectsFrozen,
-    PhaseClock,
-    ShardEncoder,
-    media_pool,
-    media_slots,
-)
+from stitch.kernels.prepare_workers import ChunkDecoding, Executors, ObjectsFrozen, PhaseClock, ShardEncoder
 from stitch.plugins.specs import EncoderSpec
-from stitch.runs.atomic import write_text_atomic
 from stitch.runs.cleanup import leave_as_found
 from stitch.runs.diskspace import check_free_space, named_when_full
 from stitch.runs.lock import RunLock
 from stitch.runs.progress import progress
 
-__all__ = ["REPORT_NAME", "BudgetExceeded", "InvalidRow", "PrepareError", "PrepareReport", "describe_skips",
-           "prepare", "skipped_by_reason"]
-
-REPORT_NAME = "prepare-report.json"
-
-
-@dataclass
-class PrepareReport:
-    out_dir: str
-    rows: dict[str, int]  # partition -> rows written (under datasets: <dataset> or <dataset>.<partition>)
-    rows_scanned: int
-    rows_unassigned: int  # valid rows between partitions: neither written nor skipped
-    skipped: list[dict[str, Any]]
-    skipped_by_reason: dict[str, dict[str, Any]]
-    shards_encoded: int
-    shards_reused: int
-    items_encoded: int  # distinct media items encoded by this run
-    peak_transient_bytes: int
-    retained_bytes: int
-    retained_bytes_per_row: float
-    payload_bytes_per_row: float  # the feature tensors alone
-    seconds: float
-    provenance: dict[str, Any] = field(default_factory=dict)
-    # wall seconds of the main process per phase of the whole prepare() call (PhaseClock.PHASES), and the seconds
-    # the decode work took, summed over chunks in whichever process ran them (worker seconds overlap each other)
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    worker_seconds: dict[str, float] = field(default_factory=dict)
-    # seconds of the encode thread, which encodes a shard while the main thread gathers the next (ENCODE_PHASES)
-    encode_seconds: dict[str, float] = field(default_factory=dict)
-    # chunks of decoded media by how they reached this process: a shared slot mapped once, or a segment of their own
-    media_chunks: dict[str, int] = field(default_factory=dict)
-    # media references whose features an earlier row (of any dataset) of this preparation already had: encoded once
-    items_shared: int = 0
-    # dataset -> {source, rows {partition: n}, rows_scanned, rows_unassigned, skipped, items, items_shared}
-    datasets: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @property
-    def total_rows(self) -> int:
-        return sum(self.rows.values())
-
+__all__ = ["BudgetExceeded", "InvalidRow", "PrepareError", "describe_skips", "prepare", "skipped_by_reason"]
 
 # -- the run --------------------------------------------------------------------------------------------
 
@@ -167,11 +117,9 @@ class _Preparation:
         # future, estimated bytes, each row's (shard, index) per item, dataset)
         self.writes: deque[tuple[str | None, list[PendingRow], Future | str, int, list[list[tuple[str, int]]],
                                  DatasetScan]] = deque()
-        self.writer: ThreadPoolExecutor | None = None
-        self.encoding: ThreadPoolExecutor | None = None  # the encode thread (ShardEncoder)
+        self.executors: Executors | None = None  # the decode workers, the writer and encode threads
         self.encode_failed = False  # set by the encode thread: no shard after a failed one is encoded or written
         self._bar = threading.Lock()  # the progress bar advances from both threads
-        self.decoding: ChunkDecoding | None = None
 
     def encoder_ready(self, encoder: Any) -> None:
         """Once the encoder is loaded: the loader's imports frozen with the rest, and the encoder compiled when
@@ -349,12 +297,12 @@ class _Preparation:
         else:
             self.check_retained(len(items) * self.item_bytes,
                                 f"with shard {name} ({rows[0].id}..{rows[-1].id})")
-            assert self.encoding is not None
+            assert self.executors is not None
             waiting = len(rows) - len(row_ends)  # rows with no new item: done now
             if waiting:
                 self.advance(bar, waiting)
-            digest_or_future = self.encoding.submit(self.encode_shard, rows, items, row_ends,
-                                                    self.cache_dir / name, bar)
+            digest_or_future = self.executors.encoding.submit(self.encode_shard, rows, items, row_ends,
+                                                              self.cache_dir / name, bar)
             self.shards_encoded += 1
             self.items_encoded += len(items)
             estimate = len(items) * self.item_bytes
@@ -381,9 +329,10 @@ class _Preparation:
         for row in rows:
             row.media = []  # the decoded items are no longer needed (a shared slot is free once its views are gone)
         items.clear()
-        assert self.writer is not None
+        assert self.executors is not None
         check_free_space(path, features.nbytes, f"feature shard {path.name}")  # before any byte of it is written
-        return self.writer.submit(_write_shard_named, path, features, {**self.identity, "items": len(features)})
+        return self.executors.writer.submit(_write_shard_named, path, features,
+                                            {**self.identity, "items": len(features)})
 
     def advance(self, bar: Any, rows: int) -> None:
         with self._bar:
@@ -422,11 +371,6 @@ class _Preparation:
         self.manifest_bytes += len(text.encode())
         self.check_retained(0, f"after shard {name}" if name else f"after rows {rows[0].id}..{rows[-1].id}")
 
-    def dataset_provenance(self) -> dict[str, Any]:
-        """``dataset``: the one source's description, or ``datasets``: each dataset's under ``datasets``."""
-        described = {ds.name: ds.data.source.describe() for ds in self.datasets}  # type: ignore[union-attr]
-        return {"datasets": described} if self.recipe.dataset_options is not None else {"dataset": described["data"]}
-
     def check_features(self, features: torch.Tensor, batch: list[tuple[str, Any]]) -> None:
         expected = (len(batch), self.spec.tokens_per_item, self.spec.feature_width)
         if tuple(features.shape) != expected:
@@ -448,14 +392,9 @@ class _Preparation:
         manifest_tmp = self.out_dir / f"{TMP_PREFIX}{MANIFEST_NAME}"
         tmp = Path(tempfile.mkdtemp(prefix="stitch-prepare-"))
         with self.clock("startup"):
-            with self.clock("workers_start"):
-                # the workers start before any thread of this run (tqdm, the writer, the encoder's loader)
-                workers = self.data.prepare.worker_count
-                slots = media_slots(self.preprocess, workers, self.data.shard_rows)
-                pool = media_pool(workers, self.decoder, slots)
-                self.decoding = ChunkDecoding(pool, slots, self.preprocess, self.data.shard_rows, self.clock)
-            self.writer = ThreadPoolExecutor(SHARD_WRITERS, thread_name_prefix="stitch-shard-writer")
-            self.encoding = ThreadPoolExecutor(1, thread_name_prefix="stitch-encode")
+            # the workers start before any thread of this run (tqdm, the writer, the encoder's loader)
+            self.executors = Executors(self.decoder, self.preprocess, self.data.prepare.worker_count,
+                                       self.data.shard_rows, self.clock)
             if not any(self.cache_dir.glob("*.safetensors")):  # a fresh run must encode: load while rows decode
                 self.encoder.preload()
         try:
@@ -465,7 +404,7 @@ class _Preparation:
                     with self.clock("stream_open"):
                         stream = open_stream(ds.data.source, tmp / "datasets", self.builtin)  # type: ignore[arg-type]
                         stream = raw_media_stream(stream, ds.data.columns.media)  # type: ignore[union-attr]
-                    for shard_rows in self.shards(self.valid_rows(ds, stream, self.decoding)):
+                    for shard_rows in self.shards(self.valid_rows(ds, stream, self.executors.decoding)):
                         if not self.shards_encoded + self.shards_reused:
                             self.frozen.settle()  # the stream's imports (datasets) frozen, collection back on
                         self.flush(ds, shard_rows, manifest, bar)
@@ -478,62 +417,23 @@ class _Preparation:
         except PrepareError as exc:  # the report lists every skipped row: the one file a refusal leaves behind
             if not self.skipped:
                 raise
-            write_text_atomic(self.out_dir / REPORT_NAME, _json_text({
-                "out_dir": str(self.out_dir), "complete": False, "error": str(exc), "rows_scanned": self.rows_scanned,
-                "skipped": self.skipped, "skipped_by_reason": skipped_by_reason(self.skipped, first=len(self.skipped)),
-            }))
+            write_refusal(self.out_dir, exc, self.rows_scanned, self.skipped)
             raise
         finally:
-            # a shard being encoded is finished and handed to the writer (those queued behind it are dropped), then
-            # a shard being written is finished (or its temp file removed)
-            self.encoding.shutdown(wait=True, cancel_futures=True)
-            self.writer.shutdown(wait=True)
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+            self.executors.shutdown()
             shutil.rmtree(tmp, ignore_errors=True)
             manifest_tmp.unlink(missing_ok=True)
         # orphans: shards of earlier recipes, and the sidecar of a shard whose rename a killed run never made
         for path in [*self.cache_dir.glob("*.safetensors"), *self.cache_dir.glob("*.safetensors.sha256")]:
             if path.name.removesuffix(".sha256") not in self.referenced:
                 path.unlink()
-        total_rows = sum(self.rows_written.values())
-        retained = self.retained()
-        report = PrepareReport(
-            out_dir=str(self.out_dir),
-            rows=dict(self.rows_written),
-            rows_scanned=self.rows_scanned,
-            rows_unassigned=sum(ds.rows_unassigned for ds in self.datasets),
-            skipped=self.skipped,
-            skipped_by_reason=skipped_by_reason(self.skipped, first=len(self.skipped)),
-            shards_encoded=self.shards_encoded,
-            shards_reused=self.shards_reused,
-            items_encoded=self.items_encoded,
-            peak_transient_bytes=self.peak_transient,
-            retained_bytes=retained,
-            retained_bytes_per_row=retained / max(total_rows, 1),
-            payload_bytes_per_row=self.items_written * self.item_bytes / max(total_rows, 1),
-            seconds=time.perf_counter() - started,
-            provenance={**self.provenance, **self.dataset_provenance(), "dtype": self.data.feature_dtype,
-                        "recipe": self.recipe.name, "recipe_sha256": self.recipe.digest},
-            phase_seconds=self.clock.report(),
-            worker_seconds={k: round(v, 4) for k, v in self.decoding.worker_seconds.items()},
-            encode_seconds={k: round(v, 4) for k, v in self.encoder.seconds.items()},
-            media_chunks=dict(self.decoding.media_chunks),
-            items_shared=sum(ds.items_shared for ds in self.datasets),
-            datasets={ds.name: ds.report(self.rows_written) for ds in self.datasets},
-        )
-        write_text_atomic(self.out_dir / REPORT_NAME, _json_text(dataclasses.asdict(report)))
-        return report
+        return finished_report(self, started)
 
 
 def _write_shard_named(path: Path, features: torch.Tensor, metadata: Mapping[str, Any]) -> str:
     """``write_shard``, a full disk named with the shard and its size (its temp file is removed by it)."""
     with named_when_full(path, features.nbytes, f"feature shard {path.name}"):
         return write_shard(path, features, metadata)
-
-
-def _json_text(payload: Any) -> str:
-    return json.dumps(payload, indent=2) + "\n"
 
 
 def prepare(

@@ -347,6 +347,28 @@ class ChunkDecoding:
         return chunk, iter(counts), iter(unstack(media, stacked))
 
 
+class Executors:
+    """A run's decode workers (``decoding``), shard-writer threads (``writer``) and encode thread
+    (``encoding``), started and shut down together; the workers start first, before the threads."""
+
+    def __init__(self, decoder: Any, preprocess: Any, workers: int, shard_rows: int,
+                 clock: PhaseClock) -> None:
+        with clock("workers_start"):
+            slots = media_slots(preprocess, workers, shard_rows)
+            self.pool = media_pool(workers, decoder, slots)
+            self.decoding = ChunkDecoding(self.pool, slots, preprocess, shard_rows, clock)
+        self.writer = ThreadPoolExecutor(SHARD_WRITERS, thread_name_prefix="stitch-shard-writer")
+        self.encoding = ThreadPoolExecutor(1, thread_name_prefix="stitch-encode")
+
+    def shutdown(self) -> None:
+        """A shard being encoded is finished and handed to the writer (those queued behind it are dropped),
+        then a shard being written is finished (or its temp file removed), then the decode workers stop."""
+        self.encoding.shutdown(wait=True, cancel_futures=True)
+        self.writer.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 # -- the encode thread ----------------------------------------------------------------------------------
 
 

@@ -17,7 +17,8 @@ from typing import Any
 from stitch.config.options import STAGE_OPTIONS
 from stitch.config.recipe import Recipe
 from stitch.data.feature_cache import PreparedData
-from stitch.data.prepare import REPORT_NAME, PrepareReport, prepare
+from stitch.data.prepare import prepare
+from stitch.data.prepare_report import REPORT_NAME, PrepareReport
 from stitch.demo.data import builtin_parquet
 from stitch.model.binding import ModelBinding
 from stitch.plugins.registry import Registry

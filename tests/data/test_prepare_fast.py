@@ -13,7 +13,7 @@ import torch
 from tests.stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
-from stitch.data.prepare import REPORT_NAME
+from stitch.data.prepare_report import REPORT_NAME
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
@@ -174,7 +174,6 @@ def test_shards_and_manifest_are_bitwise_equal_with_0_and_2_decode_workers_throu
     """In-process decode, workers writing into shared slots, and workers left with one slot for five chunks of 4
     rows, one chunk ahead (the slot is taken again once a flushed shard's rows let go of it; a chunk that finds it
     taken travels as a segment of its own): one output."""
-    import stitch.data.prepare as prep
     from stitch.kernels import prepare_workers
     from stitch.kernels.shared_slots import SharedSlots
 
@@ -182,13 +181,13 @@ def test_shards_and_manifest_are_bitwise_equal_with_0_and_2_decode_workers_throu
         ring = media_slots(preprocess, workers, shard_rows)
         return ring and SharedSlots(1, ring.slot_bytes)
 
-    media_slots = prep.media_slots
+    media_slots = prepare_workers.media_slots
     snapshots, chunks = [], []
     for workers, slots in ((0, None), (2, None), (2, 1)):
         root = tmp_path / f"w{workers}-{slots}"
         root.mkdir()
         if slots:
-            monkeypatch.setattr(prep, "media_slots", one_slot)
+            monkeypatch.setattr(prepare_workers, "media_slots", one_slot)
             monkeypatch.setattr(prepare_workers, "MEDIA_CHUNK_ROWS", 4)
             monkeypatch.setattr(prepare_workers, "chunks_ahead", lambda workers, shard_rows: 1)
         data = {"source": {"builtin": "counting-shapes", "rows": 20, "caption_rows": 4, "seed": 0},

@@ -302,8 +302,8 @@ def test_prepare_through_the_device_path_encodes_what_device_batch_makes_with_or
     a slot, as their paths; the encoder gets ``device_batch``'s pixels, the shards are keyed by its identity, and
     0 or 2 workers, with a slot or without, write the same bytes. ``decode: cpu`` in the same setting keeps the
     workers' geometry: other shards."""
-    import stitch.data.prepare as prep
     from stitch.data.feature_cache import PreparedData
+    from stitch.kernels import prepare_workers
 
     monkeypatch.setattr(ClipGeometry, "on_device", lambda self, device: device_geometry(monkeypatch))
     arrived: list[str] = []  # what each JPEG item's data is when device_batch gets it
@@ -315,10 +315,10 @@ def test_prepare_through_the_device_path_encodes_what_device_batch_makes_with_or
 
     monkeypatch.setattr(ClipDeviceGeometry, "device_batch", recording)
     jpeg_rows(tmp_path, 10)
-    outs, media_slots = [], prep.media_slots
+    outs, media_slots = [], prepare_workers.media_slots
     for workers, slots, chunks, data in ((0, True, 0, "str"), (2, True, 1, "ndarray"), (2, False, 0, "str")):
         out = tmp_path / f"out{workers}-{slots}"
-        monkeypatch.setattr(prep, "media_slots", media_slots if slots else lambda *args: None)
+        monkeypatch.setattr(prepare_workers, "media_slots", media_slots if slots else lambda *args: None)
         arrived.clear()
         report = prepare_resolved(jpeg_recipe(tmp_path, workers), out, host=host, progress=False)
         assert report.rows == {"train": 10} and report.media_chunks == {"shared_slot": chunks, "own_segment": 0}
