@@ -163,7 +163,7 @@ def _prompt_with_spans(
     def mark(piece: list[int] | str, message: int) -> str:
         pieces.append(piece)
         owner.append(message)
-        return f"\ue000{len(pieces) - 1}\ue001"
+        return piece_mark(len(pieces) - 1)
 
     marked = []
     for i, message in enumerate(messages):
@@ -171,10 +171,28 @@ def _prompt_with_spans(
         if num_items and not markers and i == users[0]:
             content = f"{mark(media * num_items, i)}\n{content}"
         marked.append({"role": message["role"], "content": content})
+    ids, where = tokenize_marked(tokenizer, marked, pieces)
+    spans: dict[int, tuple[int, int]] = {}
+    for message, (begin, end) in zip(owner, where, strict=True):
+        spans[message] = (spans.get(message, (begin, begin))[0], end)
+    return ids, spans
+
+
+def piece_mark(index: int) -> str:
+    """Where piece ``index`` stands in a message's content until ``tokenize_marked`` replaces it."""
+    return f"\ue000{index}\ue001"
+
+
+def tokenize_marked(tokenizer: Any, marked: Messages, pieces: Sequence[list[int] | str]) -> tuple[
+        list[int], list[tuple[int, int]]]:
+    """Render ``marked`` (messages whose content holds ``piece_mark(i)`` for each piece) through the chat template
+    and tokenize it: the template's markup as markup, each text piece as data text, each id piece as it stands,
+    at its mark. Returns the ids and each piece's ``[start, end)`` in them. A template that drops or repeats a
+    piece is refused."""
     rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
     ids: list[int] = []
+    where: dict[int, tuple[int, int]] = {}
     seen: list[int] = []
-    spans: dict[int, tuple[int, int]] = {}
     position = 0
     for match in _MARK.finditer(rendered):
         ids += text_ids(tokenizer, rendered[position : match.start()], markup=True)
@@ -183,14 +201,13 @@ def _prompt_with_spans(
         piece = pieces[index]
         begin = len(ids)
         ids += piece if isinstance(piece, list) else text_ids(tokenizer, piece, markup=False)
-        first, _ = spans.get(owner[index], (begin, begin))
-        spans[owner[index]] = (first, len(ids))
+        where[index] = (begin, len(ids))
         position = match.end()
     ids += text_ids(tokenizer, rendered[position:], markup=True)
     if sorted(seen) != list(range(len(pieces))):
         raise CollatorError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} dropped or repeated "
                             f"message content ({len(pieces)} pieces, rendered {len(seen)})")
-    return ids, spans
+    return ids, [where[i] for i in range(len(pieces))]
 
 
 _SPLIT_STATE = threading.Lock()

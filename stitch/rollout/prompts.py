@@ -8,13 +8,12 @@ are the soft tokens spliced into the prompt's text embeddings. Engines receive n
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from stitch.data.collator import text_ids
+from stitch.data.collator import piece_mark, tokenize_marked
 from stitch.data.sentinels import SentinelIds
 from stitch.model.scatter import scatter_soft_tokens
 from stitch.plugins.registry import Registry
@@ -47,7 +46,6 @@ class MediaSlot:
 
 MEDIA = MediaSlot()
 Content = str | Sequence[str | MediaSlot]
-_MARK = re.compile("\ue000(\\d+)\ue001")  # private-use code points: never in a tokenizer's special tokens
 
 
 def _joined(content: Content, mark: Any) -> str:
@@ -75,23 +73,10 @@ def conversation_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]
 
     def mark(piece: str | MediaSlot) -> str:
         pieces.append(block if isinstance(piece, MediaSlot) else piece)
-        return f"\ue000{len(pieces) - 1}\ue001"
+        return piece_mark(len(pieces) - 1)
 
     marked = [{"role": m["role"], "content": _joined(m["content"], mark)} for m in messages]
-    rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
-    ids: list[int] = []
-    position, seen = 0, []
-    for match in _MARK.finditer(rendered):
-        ids += text_ids(tokenizer, rendered[position : match.start()], markup=True)
-        seen.append(int(match.group(1)))
-        piece = pieces[seen[-1]]
-        ids += piece if isinstance(piece, list) else text_ids(tokenizer, piece, markup=False)
-        position = match.end()
-    ids += text_ids(tokenizer, rendered[position:], markup=True)
-    if sorted(seen) != list(range(len(pieces))):
-        raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} dropped or repeated "
-                         f"message content ({len(pieces)} pieces, rendered {len(seen)})")
-    return ids
+    return tokenize_marked(tokenizer, marked, pieces)[0]
 
 
 def build_payload(payload: RolloutPayloadSpec, row_id: str, features: torch.Tensor,

@@ -52,6 +52,26 @@ def test_requests_tokenized_on_concurrent_threads_get_the_ids_each_gets_alone(in
     assert not wrong, f"{len(wrong)} of 400 concurrent renders differ from the same render alone"
 
 
+@pytest.mark.parametrize("builder", ["serve", "train"])
+def test_a_chat_template_that_drops_a_message_is_refused_by_both_prompt_builders(inputs, builder):
+    """Serving's and training's prompt builders share one marked render: a template that renders only the last
+    message loses the first turn's text, and both refuse rather than train or answer on the remainder."""
+    import copy
+
+    spec, sentinels = inputs["encoder_spec"], inputs["sentinel_ids"]
+    tokenizer = copy.copy(inputs["tokenizer"])
+    tokenizer.chat_template = "{{ messages[-1]['content'] }}"
+    turns = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "reply"},
+             {"role": "user", "content": [MEDIA, QUESTION]}]
+    with pytest.raises(ValueError, match=r"dropped or repeated message content \(4 pieces, rendered 2\)"):
+        if builder == "serve":
+            conversation_prompt_ids(tokenizer, turns, sentinels, spec.tokens_per_item)
+        else:
+            prompt_token_ids(tokenizer, [{**t, "content": t["content"] if isinstance(t["content"], str)
+                                          else f"<image>\n{QUESTION}"} for t in turns], sentinels,
+                             spec.tokens_per_item)
+
+
 def _block_starts(ids, sentinels):
     return [i for i, t in enumerate(ids) if t == sentinels.start]
 
