@@ -87,8 +87,9 @@ def assert_equal_loss_and_gradients(model: str, device: str, loss_tol: float, gr
 
 @needs_automodel
 @pytest.mark.parametrize("model", ["qwen3.5-moe-tiny", "qwen3.5-tiny"])
-def test_automodel_backend_gives_the_transformers_loss_and_lora_gradients(model):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def test_automodel_backend_gives_the_transformers_loss_and_lora_gradients(model, monkeypatch):
+    # for this test only: a value left in os.environ would reach every later test's CLI subprocess
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     assert_equal_loss_and_gradients(model, "cpu", 1e-5, 2e-3)
 
 
