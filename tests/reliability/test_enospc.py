@@ -13,6 +13,7 @@ import pytest
 from tests.stitch_testing import prepare_resolved, write_recipe
 
 import stitch.data.prepare as prepare_module
+import stitch.data.prepare_report as report_module
 from stitch.config.recipe import load_recipe
 from stitch.host.host import get_host
 from stitch.runs.diskspace import DiskFullError
@@ -44,7 +45,7 @@ def _manifest_open(real):
 SITES = {
     "shard": lambda mp: mp.setattr(prepare_module, "write_shard", _shard),
     "manifest": lambda mp: mp.setattr(prepare_module, "open", _manifest_open(builtins.open), raising=False),
-    "report": lambda mp: mp.setattr(prepare_module, "write_text_atomic", _full),
+    "report": lambda mp: mp.setattr(report_module, "write_text_atomic", _full),
 }
 
 
