@@ -98,8 +98,9 @@ def rows_of(results: dict[str, Any], tiny: bool) -> list[dict[str, Any]]:
         result = results[name]
         if "sft" in result:
             sft, grpo = result["sft"], result.get("grpo", {})
-            rows.append({"shape": name + (" (narrow)" if tiny else "") + (" (cut off)" if result.get("partial") or "error" in result else ""),
-                         "figures": {
+            cut_off = result.get("partial") or "error" in result
+            shape = name + (" (narrow)" if tiny else "") + (" (cut off)" if cut_off else "")
+            rows.append({"shape": shape, "figures": {
                 "SFT tok/s": round(sft["stitch_tokens_per_s"]), "stock tok/s": _round(sft["stock_tokens_per_s"]),
                 "vs stock": sft.get("vs_stock"), "MFU 6N": sft["mfu_6n"], "MFU LoRA": sft["mfu_lora"],
                 "SFT GiB": sft["peak_gib"], "rollout row-steps/s": _round(grpo.get("rollout_row_steps_per_s")),
