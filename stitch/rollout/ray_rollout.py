@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from stitch.config.recipe import Recipe
+from stitch.kernels.cpu_math import settle_cpu_math
 from stitch.model.loading import load_model, source_fingerprint, with_local_snapshot
 from stitch.plugins.registry import Registry, SpecTable
 from stitch.rollout.engines import Completion, sampling_seed
@@ -179,6 +180,7 @@ class RolloutWorker:
                  vocab_size: int | None, env: Mapping[str, str], seed: int,
                  engine_options: Mapping[str, Any] | None = None, snapshot: str | None = None) -> None:
         os.environ.update(env)
+        settle_cpu_math()  # a worker process of its own: its first rollout's CPU math as exact as later ones
         self.rank = rank
         self.engine_name = engine
         self.model_name = model

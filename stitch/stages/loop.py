@@ -24,6 +24,7 @@ import torch
 from stitch.config.options import STAGE_OPTIONS, StageOptions
 from stitch.config.recipe import Recipe, RecipeError
 from stitch.config.validate import check_launch
+from stitch.kernels.cpu_math import settle_cpu_math
 from stitch.kernels.graphs import drop_graphs
 from stitch.model.binding import ModelBinding
 from stitch.model.checkpointing import checkpoint_layers
@@ -234,6 +235,7 @@ def run_stage(recipe: Recipe, name: str, out_dir: Path, *, registry: Registry, r
     plugin host, resolved by the CLI); returns its summary (also written to summary.json).
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this for a data-parallel stage; rank 0 alone writes."""
+    settle_cpu_math()  # before any parallel CPU math: a resumed step equals the uninterrupted run's
     with ExitStack() as cleanup:  # closes what a stage opened (Ray-placed rollout workers), also on error
         # a resume adopts its checkpoint's intra-op thread count for the stage (use_threads_of); the caller's
         # count comes back after it, so a later stage or run in this process starts from its own count
