@@ -75,6 +75,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
 
 
+def step_number(step_dir: Path) -> int:
+    """N of a ``step_N`` checkpoint directory."""
+    return int(Path(step_dir).name.split("_")[1])
+
+
 def latest_step_dir(root: Path) -> Path | None:
     """The step directory ``root/LATEST`` names, or None when there is no checkpoint yet."""
     latest = Path(root) / "LATEST"
@@ -134,7 +139,7 @@ def save_step(
     except BaseException:
         shutil.rmtree(final, ignore_errors=True)  # LATEST still names the previous step: this one never completed
         raise
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=step_number)
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -4,6 +4,11 @@ TensorBoard, Weights & Biases (offline), MLflow (a local file store) or trackio,
 Each tracker's package is an optional extra (``pip install 'stitch-lm[tensorboard]'``); a recipe that names one
 whose package is missing is refused when the stage starts, before any model loads. Everything is written under
 the stage's directory (``<out>/<stage>/trackers/<tracker>``): nothing leaves the machine.
+
+A resumed stage continues its tracker run rather than starting a second one. Steps a killed process logged past
+the checkpoint are redone: TensorBoard drops the old ones (``purge_step``); MLflow, W&B and trackio keep appending
+to the same run (their stores cannot delete a point), so a reader that takes the last value of a step sees the
+redone one.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +25,7 @@ TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 # the module each tracker imports, and the extra that installs it
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 SKIPPED_KEYS = ("step", "final")
+RUN_ID_FILE = "run_id"  # beside a tracker's files: the run a resumed stage continues
 
 
 class TrackerError(ValueError):
@@ -46,14 +53,28 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-class TensorBoardTracker:
-    """Scalars in a TensorBoard event file (``torch.utils.tensorboard``, which needs the tensorboard package)."""
+def stored_run_id(log_dir: Path, resume_step: int | None, fresh: str) -> str:
+    """The id of the run under ``log_dir`` when resuming one that recorded its id, else ``fresh`` (recorded)."""
+    path = Path(log_dir) / RUN_ID_FILE
+    if resume_step is not None and path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(fresh + "\n")
+    return fresh
 
-    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+
+class TensorBoardTracker:
+    """Scalars in a TensorBoard event file (``torch.utils.tensorboard``, which needs the tensorboard package).
+    A resume purges the events of steps past the checkpoint."""
+
+    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any], resume_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard extra
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
-        self.writer.add_text("recipe", f"run {run_name}\n\n" + "\n".join(f"    {k}: {v}" for k, v in config.items()))
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
+        if resume_step is None:
+            self.writer.add_text("recipe", f"run {run_name}\n\n" + "\n".join(f"    {k}: {v}"
+                                                                             for k, v in config.items()))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
@@ -66,13 +87,14 @@ class TensorBoardTracker:
 class WandbTracker:
     """A W&B run in offline mode (``wandb sync <dir>`` uploads it later, if the user wants)."""
 
-    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any], resume_step: int | None = None) -> None:
         import wandb  # optional: needs the wandb extra
 
-        log_dir.mkdir(parents=True, exist_ok=True)
+        run_id = stored_run_id(log_dir, resume_step, uuid.uuid4().hex[:8])
         self.wandb = wandb
         self.run = wandb.init(mode="offline", dir=str(log_dir), project="stitch", name=run_name, config=config,
-                              reinit="create_new", settings=wandb.Settings(silent=True, console="off"))
+                              id=run_id, resume="allow", reinit="create_new",
+                              settings=wandb.Settings(silent=True, console="off"))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -86,7 +108,8 @@ class WandbTracker:
 class MlflowTracker:
     """An MLflow run in a local file store (``mlflow ui --backend-store-uri <dir>`` shows it)."""
 
-    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any], resume_step: int | None = None) -> None:
+        from mlflow.entities import RunStatus  # optional: needs the mlflow extra
         from mlflow.tracking import MlflowClient  # optional: needs the mlflow extra
 
         # MLflow 3 refuses its file store (maintenance mode) unless this opts in; a user's explicit value stands
@@ -95,7 +118,12 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=log_dir.resolve().as_uri())
         experiment = self.client.get_experiment_by_name("stitch")
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment("stitch")
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        known = (log_dir / RUN_ID_FILE).read_text().strip() if (log_dir / RUN_ID_FILE).is_file() else None
+        if resume_step is not None and known is not None:
+            self.run_id = known
+            self.client.update_run(known, status=RunStatus.to_string(RunStatus.RUNNING))
+            return
+        self.run_id = stored_run_id(log_dir, None, self.client.create_run(experiment_id, run_name=run_name).info.run_id)
         for key, value in config.items():
             self.client.log_param(self.run_id, key, str(value)[:500])
 
@@ -112,7 +140,7 @@ class MlflowTracker:
 class TrackioTracker:
     """A trackio run in its local SQLite store (``<log_dir>/stitch.db``; ``TRACKIO_DIR=<log_dir> trackio show``)."""
 
-    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+    def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any], resume_step: int | None = None) -> None:
         import trackio  # optional: needs the trackio extra
         import trackio.sqlite_storage  # optional: needs the trackio extra
         import trackio.utils  # optional: needs the trackio extra
@@ -122,7 +150,7 @@ class TrackioTracker:
         # under its own directory, so the tracker points them there before the run opens its store
         trackio.utils.TRACKIO_DIR = trackio.sqlite_storage.TRACKIO_DIR = log_dir.resolve()
         self.run = trackio.init(project="stitch", name=run_name, config=config, auto_log_cpu=False,
-                                auto_log_gpu=False)
+                                auto_log_gpu=False, resume="never" if resume_step is None else "allow")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -170,15 +198,16 @@ class TrackerSet:
 
 
 def open_trackers(names: Iterable[str], root: Path, run_name: str, config: dict[str, Any] | None = None,
-                  where: str = "report_to") -> TrackerSet:
+                  where: str = "report_to", resume_step: int | None = None) -> TrackerSet:
     """One tracker per name in ``names``, each writing under ``root/<name>``; ``config`` (flat, scalar values)
-    is recorded as the run's parameters."""
+    is recorded as the run's parameters. ``resume_step``: the checkpoint step a resumed stage continues from (its
+    tracker runs continue too)."""
     names = list(dict.fromkeys(names))
     check_trackers(names, where)
     opened: dict[str, Tracker] = {}
     try:
         for name in names:
-            opened[name] = FACTORIES[name](Path(root) / name, run_name, dict(config or {}))
+            opened[name] = FACTORIES[name](Path(root) / name, run_name, dict(config or {}), resume_step)
     except BaseException:
         TrackerSet(opened).close()
         raise

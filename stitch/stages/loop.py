@@ -44,6 +44,7 @@ from stitch.runs.checkpoint import (
     load_step_state,
     save_step,
     seed_all,
+    step_number,
     sweep_partial_steps,
     verify_checksums,
     write_text_atomic,
@@ -288,7 +289,8 @@ def setup(recipe: Recipe, name: str, out_dir: Path, cleanup: ExitStack, *, regis
         write_text_atomic(ctx.layout.recipe, text)
     if dp.is_main and opts.report_to:
         ctx.trackers = cleanup.enter_context(open_trackers(
-            opts.report_to, ctx.layout.stage_dir(name) / "trackers", f"{recipe.name}-{name}", tracker_config(opts)))
+            opts.report_to, ctx.layout.stage_dir(name) / "trackers", f"{recipe.name}-{name}", tracker_config(opts),
+            resume_step=None if ctx.resume_from is None else step_number(ctx.resume_from)))
 
     args = runner.model_args()
     if ctx.warm_start is not None:

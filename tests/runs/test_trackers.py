@@ -8,6 +8,7 @@ import importlib.util
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,7 +92,7 @@ def trackio_metrics(store: Path) -> dict[str, dict[int, float]]:
     """Every metrics row of the run in trackio's SQLite store (``stitch.db``), read with the standard library."""
     assert (store / "stitch.db").is_file(), f"trackio wrote no store under {store}"
     with sqlite3.connect(store / "stitch.db") as db:
-        (runs,) = db.execute("SELECT COUNT(DISTINCT run_name) FROM metrics").fetchone()
+        (runs,) = db.execute("SELECT COUNT(DISTINCT run_id) FROM metrics").fetchone()
         assert runs == 1, f"{store} holds {runs} runs"
         rows = db.execute("SELECT step, metrics FROM metrics ORDER BY id").fetchall()
     out: dict[str, dict[int, float]] = {}
@@ -99,6 +100,12 @@ def trackio_metrics(store: Path) -> dict[str, dict[int, float]]:
         for key, value in json.loads(metrics).items():
             out.setdefault(key, {})[step] = value
     return out
+
+
+def session_starts(loader: Any, log_dir: Path) -> list[list[int]]:
+    """Per event file under ``log_dir``, the steps of its session-start (purge) events."""
+    return [[e.step for e in loader(str(path)).Load() if e.HasField("session_log")]
+            for path in log_dir.glob("events.out.tfevents.*")]
 
 
 def assert_close(got: dict[str, dict[int, float]], expected: dict[str, dict[int, float]]) -> None:
@@ -145,6 +152,73 @@ def test_trackio_stages_of_one_process_each_write_under_their_own_directory(tmp_
     second = write_through_metrics_log(tmp_path / "sft", "trackio")
     assert_close(trackio_metrics(first), EXPECTED)
     assert_close(trackio_metrics(second), EXPECTED)
+
+
+# a process killed after its checkpoint at step 1 had logged steps 2 and 3; the resumed process redoes them
+KILLED = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}, {"step": 3, "loss": 2.0}]
+REDONE = [{"step": 2, "loss": 1.75}, {"step": 3, "loss": 1.5}]
+AFTER_RESUME = {"loss": {1: 2.5, 2: 1.75, 3: 1.5}}
+
+
+def write_killed_then_resumed(tmp_path: Path, tracker: str) -> Path:
+    root = tmp_path / "trackers"
+    for records, resume_step in ((KILLED, None), (REDONE, 1)):
+        with open_trackers([tracker], root, "run-sft", resume_step=resume_step) as trackers:
+            for record in records:
+                trackers.write(record)
+    return root / tracker
+
+
+@needs["tensorboard"]
+def test_a_resumed_stage_purges_tensorboard_steps_past_its_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    log_dir = write_killed_then_resumed(tmp_path, "tensorboard")
+    assert_close(tensorboard_scalars(log_dir), AFTER_RESUME)
+    # the resumed process's file tells every reader to drop the killed run's steps from 2 on
+    assert sorted(session_starts(EventFileLoader, log_dir)) == [[], [2]]
+
+
+@needs["mlflow"]
+def test_a_resumed_stage_continues_its_mlflow_run_the_redone_steps_logged_last(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    store = write_killed_then_resumed(tmp_path, "mlflow")
+    client = MlflowClient(tracking_uri=store.resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("stitch").experiment_id])
+    history = sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.timestamp)
+    assert_close({"loss": {m.step: m.value for m in history}}, AFTER_RESUME)
+    assert run.info.status == "FINISHED"
+
+
+@needs["trackio"]
+def test_a_resumed_stage_continues_its_trackio_run_the_redone_steps_logged_last(tmp_path):
+    assert_close(trackio_metrics(write_killed_then_resumed(tmp_path, "trackio")), AFTER_RESUME)
+
+
+@needs["wandb"]
+def test_a_resumed_stage_writes_its_wandb_offline_run_under_the_killed_runs_id(tmp_path, monkeypatch):
+    from wandb.proto import wandb_internal_pb2
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_root = write_killed_then_resumed(tmp_path, "wandb")
+    ids = []
+    for path in sorted(run_root.glob("wandb/offline-run-*/run-*.wandb")):
+        for data in wandb_records(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") == "run":
+                ids.append(record.run.run_id)
+                break
+    assert len(ids) == 2 and ids[0] == ids[1] == (run_root / "run_id").read_text().strip()
+
+
+def test_a_resume_without_a_recorded_run_id_starts_one_and_records_it(tmp_path):
+    from stitch.runs.trackers import stored_run_id
+
+    assert stored_run_id(tmp_path / "t", 3, "fresh") == "fresh"  # a run whose trackers were added on resume
+    assert stored_run_id(tmp_path / "t", 5, "other") == "fresh"
+    assert stored_run_id(tmp_path / "t", None, "new") == "new"  # a fresh start records its own
 
 
 def test_a_tracker_whose_package_is_missing_is_refused_naming_it_and_the_extra(monkeypatch):
@@ -194,3 +268,21 @@ def test_a_stage_with_report_to_sends_its_metrics_jsonl_records_to_tensorboard(p
                 expected.setdefault(prefix + key, {})[line["step"]] = value
     assert {"loss", "lr_projector", "final/eval_accuracy"} <= set(expected)
     assert_close(tensorboard_scalars(tmp_path / "run" / "alignment" / "trackers" / "tensorboard"), expected)
+
+
+@needs["tensorboard"]
+def test_a_stage_resumed_with_report_to_continues_its_tensorboard_run_from_the_checkpoint(prepared, tmp_path):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from stitch.config.recipe import load_recipe
+    from stitch.host.host import get_host
+    from stitch.stages.loop import run_stage
+
+    copy_prepared(prepared / "run", tmp_path / "run")
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", stages__alignment__report_to=["tensorboard"],
+                                      stages__alignment__save_every=1))
+    run_stage(recipe, "alignment", tmp_path / "run", progress=False, registry=get_host(), max_steps=1)
+    run_stage(recipe, "alignment", tmp_path / "run", progress=False, registry=get_host(), resume=True)
+    log_dir = tmp_path / "run" / "alignment" / "trackers" / "tensorboard"
+    assert sorted(session_starts(EventFileLoader, log_dir)) == [[], [2]]
+    assert set(tensorboard_scalars(log_dir)["loss"]) == {1, 2}
