@@ -99,7 +99,9 @@ class _Preparation:
         named = recipe.dataset_options is not None
         self.datasets = [
             DatasetScan(name, index, data, prompts[name],
-                        RowDecoder(prompts[name], MediaDecoder(media_paths(data), spec.decode_item, self.preprocess)),
+                        RowDecoder(prompts[name], MediaDecoder(
+                            media_paths(data, f"datasets.{name}" if named else "data"), spec.decode_item,
+                            self.preprocess)),
                         ManifestLines(spec.tokens_per_item, spec.feature_width, self.data.feature_dtype,
                                       {**self.provenance, "dataset": data.source.describe()}),  # type: ignore[union-attr]
                         named)

@@ -200,6 +200,7 @@ class MediaPaths:
     allow_outside: bool
     source: str  # how errors name the source
     blobs: Path | None = None  # a hub snapshot in the HF cache: its files are symlinks into the repo's blobs/
+    section: str = "data"  # the recipe section whose allow_paths_outside admits outside paths
 
     def item(self, value: Any) -> Any:
         """One media value normalised for ``decode_item``: bytes, ``{bytes, path}`` with bytes, or a checked path
@@ -226,11 +227,11 @@ class MediaPaths:
             if not Path(os.path.normpath(candidate)).is_relative_to(self.root):
                 how = "an absolute path" if os.path.isabs(value) else "a '..' path"
                 raise _BadMedia("path-outside", f"{how} outside the dataset directory {str(self.root)!r}: {value!r}; "
-                                                f"set data.allow_paths_outside: true to allow it")
+                                                f"set {self.section}.allow_paths_outside: true to allow it")
             inside = real.is_relative_to(self.root.resolve()) or (self.blobs and real.is_relative_to(self.blobs))
             if not inside:
                 raise _BadMedia("path-outside", f"{value!r} is a symlink to {str(real)!r}, outside the dataset "
-                                                f"directory {str(self.root)!r}; set data.allow_paths_outside: true "
+                                                f"directory {str(self.root)!r}; set {self.section}.allow_paths_outside: true "
                                                 f"to allow it")
         if not real.is_file():
             raise _BadMedia("missing-file", f"media file {value!r} not found (looked at {str(candidate)!r})")
@@ -248,11 +249,13 @@ def short_value(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def media_paths(data: Any) -> MediaPaths:
+def media_paths(data: Any, section: str = "data") -> MediaPaths:
+    """Where ``data``'s media paths may point; ``section`` names its recipe section in errors (``data`` or
+    ``datasets.<name>``)."""
     source = data.source
     if isinstance(source, LocalSource):
         root = source.path.parent if source.path.is_file() else source.path  # absolute, symlinks kept
-        return MediaPaths(root, data.allow_paths_outside, "local", _snapshot_blobs(source.path))
+        return MediaPaths(root, data.allow_paths_outside, "local", _snapshot_blobs(source.path), section)
     return MediaPaths(None, False, "hub" if isinstance(source, HubSource) else "builtin")
 
 

@@ -237,6 +237,36 @@ def test_allow_paths_outside_admits_absolute_dotdot_and_symlinked_paths(hostile,
     assert report.skipped == [] and report.total_rows == 3
 
 
+def datasets_recipe(root: Path, source: Path, **dataset) -> Path:
+    """The hostile recipe's shape with its source as one named dataset of ``datasets`` (alignment trains on it)."""
+    recipe = yaml.safe_load(hostile_recipe(root).read_text())
+    data = recipe.pop("data")
+    recipe["data"] = {"budgets": data["budgets"], "feature_dtype": "float16", "encode_batch_size": 4}
+    recipe["datasets"] = {"shots": {"source": {"path": str(source), "format": "json"}, "columns": data["columns"],
+                                    "rows": 1, "scan_cap": 1, "on_corrupt": "error", **dataset}}
+    recipe["stages"]["alignment"].pop("partition")
+    recipe["stages"]["alignment"]["data"] = "shots"
+    path = root / "datasets.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def test_a_named_dataset_confines_its_paths_unless_it_allows_outside_paths(hostile, host_module, clip, tmp_path):
+    ds = hostile / "ds"
+    (row,) = [r for r in map(json.loads, (ds / "rows.jsonl").open()) if r["id"] == "dotdot"]
+    (ds / "only-dotdot.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(PrepareError) as err:
+        prepare_resolved(load_recipe(datasets_recipe(hostile, ds / "only-dotdot.jsonl")), tmp_path / "refused",
+                         host=host_module, progress=False)
+    message = str(err.value)
+    assert message.startswith("datasets.shots: row 'shots:dotdot' (stream position 0), column 'image'")
+    assert repr(row["image"]) in message and "a '..' path outside the dataset directory" in message
+    assert "datasets.shots.allow_paths_outside: true" in message
+    allowed = load_recipe(datasets_recipe(hostile, ds / "only-dotdot.jsonl", allow_paths_outside=True))
+    report = prepare_resolved(allowed, tmp_path / "allowed", host=host_module, encoder=clip, progress=False)
+    assert report.skipped == [] and report.total_rows == 1
+
+
 def test_hub_rows_must_carry_bytes_and_a_string_or_dict_path_is_refused(hostile, host_module, clip, tmp_path,
                                                                        monkeypatch):
     import stitch.data.prepare as prep
