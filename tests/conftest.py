@@ -10,6 +10,15 @@ from stitch.host.host import get_host
 
 
 @pytest.fixture(scope="session", autouse=True)
+def settled_cpu_math():
+    """MKL's first-call kernel choices made on one thread before any test's CPU math, as the CLI does
+    (``stitch.kernels.cpu_math``): a test comparing two paths on its process's first forward compares exact math."""
+    from stitch.kernels.cpu_math import settle_cpu_math
+
+    settle_cpu_math()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def stitch_cache(tmp_path_factory: pytest.TempPathFactory):
     """Point ``STITCH_CACHE`` at a session directory unless the caller set one (CI may reuse it)."""
     if "STITCH_CACHE" in os.environ:
