@@ -13,6 +13,11 @@ from stitch.data.rows import PromptCheck, RowDecoder
 from stitch.kernels.shared_slots import SharedSlots
 
 
+def recipe_section(name: str, named: bool) -> str:
+    """The recipe section that configures dataset ``name``: ``datasets.<name>``, or ``data`` for a single source."""
+    return f"datasets.{name}" if named else "data"
+
+
 @dataclass
 class DatasetScan:
     """One dataset's part of a preparation: its complete config, row checks, manifest lines and counts."""
@@ -31,9 +36,14 @@ class DatasetScan:
     items_shared: int = 0  # of them, those whose features an earlier row already had
 
     @property
+    def section(self) -> str:
+        """The recipe section an error's hint names this dataset's options under (``recipe_section``)."""
+        return recipe_section(self.name, self.named)
+
+    @property
     def where(self) -> str:
         """How an error names this dataset: its field path under ``datasets``, nothing for a single source."""
-        return f"datasets.{self.name}: " if self.named else ""
+        return f"{self.section}: " if self.named else ""
 
     def report(self, rows_written: Mapping[str, int]) -> dict[str, Any]:
         rows = {p.name: rows_written[p.name] for p in self.data.partitions or ()}

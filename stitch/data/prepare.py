@@ -22,7 +22,7 @@ import torch
 
 from stitch.config.data import BuiltinSource, LocalSource
 from stitch.config.recipe import Recipe
-from stitch.data.dataset_scan import DatasetDecoders, DatasetScan
+from stitch.data.dataset_scan import DatasetDecoders, DatasetScan, recipe_section
 from stitch.data.feature_cache import (
     CACHE_DIRNAME,
     MANIFEST_NAME,
@@ -100,7 +100,7 @@ class _Preparation:
         self.datasets = [
             DatasetScan(name, index, data, prompts[name],
                         RowDecoder(prompts[name], MediaDecoder(
-                            media_paths(data, f"datasets.{name}" if named else "data"), spec.decode_item,
+                            media_paths(data, recipe_section(name, named)), spec.decode_item,
                             self.preprocess)),
                         ManifestLines(spec.tokens_per_item, spec.feature_width, self.data.feature_dtype,
                                       {**self.provenance, "dataset": data.source.describe()}),  # type: ignore[union-attr]
@@ -213,9 +213,8 @@ class _Preparation:
                     raise InvalidRow(row.id, row.position, data.columns.media, reason, kind)  # type: ignore[union-attr]
             except InvalidRow as bad:
                 if data.on_corrupt == "error":
-                    field = f"datasets.{ds.name}.on_corrupt" if ds.named else "data.on_corrupt"
                     raise PrepareError(
-                        f"{ds.where}{bad}. Fix the row, or set {field}: skip to count and skip such rows"
+                        f"{ds.where}{bad}. Fix the row, or set {ds.section}.on_corrupt: skip to count and skip such rows"
                     ) from bad
                 ds.skipped.append({**bad.as_json(), **({"dataset": ds.name} if ds.named else {})})
                 continue

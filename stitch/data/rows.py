@@ -231,8 +231,8 @@ class MediaPaths:
             inside = real.is_relative_to(self.root.resolve()) or (self.blobs and real.is_relative_to(self.blobs))
             if not inside:
                 raise _BadMedia("path-outside", f"{value!r} is a symlink to {str(real)!r}, outside the dataset "
-                                                f"directory {str(self.root)!r}; set {self.section}.allow_paths_outside: true "
-                                                f"to allow it")
+                                                f"directory {str(self.root)!r}; set "
+                                                f"{self.section}.allow_paths_outside: true to allow it")
         if not real.is_file():
             raise _BadMedia("missing-file", f"media file {value!r} not found (looked at {str(candidate)!r})")
         return str(real)
