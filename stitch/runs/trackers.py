@@ -53,14 +53,18 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def stored_run_id(log_dir: Path, resume_step: int | None, fresh: str) -> str:
-    """The id of the run under ``log_dir`` when resuming one that recorded its id, else ``fresh`` (recorded)."""
+def resumed_run_id(log_dir: Path, resume_step: int | None) -> str | None:
+    """The run id recorded under ``log_dir`` when a resumed stage continues it; None for a fresh start or a run
+    that recorded none (its trackers were added on resume)."""
     path = Path(log_dir) / RUN_ID_FILE
-    if resume_step is not None and path.is_file():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(fresh + "\n")
-    return fresh
+    return path.read_text().strip() if resume_step is not None and path.is_file() else None
+
+
+def record_run_id(log_dir: Path, run_id: str) -> str:
+    """Record ``run_id`` under ``log_dir`` for a later resume; returns it."""
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    (Path(log_dir) / RUN_ID_FILE).write_text(run_id + "\n")
+    return run_id
 
 
 class TensorBoardTracker:
@@ -90,7 +94,7 @@ class WandbTracker:
     def __init__(self, log_dir: Path, run_name: str, config: dict[str, Any], resume_step: int | None = None) -> None:
         import wandb  # optional: needs the wandb extra
 
-        run_id = stored_run_id(log_dir, resume_step, uuid.uuid4().hex[:8])
+        run_id = resumed_run_id(log_dir, resume_step) or record_run_id(log_dir, uuid.uuid4().hex[:8])
         self.wandb = wandb
         self.run = wandb.init(mode="offline", dir=str(log_dir), project="stitch", name=run_name, config=config,
                               id=run_id, resume="allow", reinit="create_new",
@@ -118,12 +122,12 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=log_dir.resolve().as_uri())
         experiment = self.client.get_experiment_by_name("stitch")
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment("stitch")
-        known = (log_dir / RUN_ID_FILE).read_text().strip() if (log_dir / RUN_ID_FILE).is_file() else None
-        if resume_step is not None and known is not None:
+        known = resumed_run_id(log_dir, resume_step)
+        if known is not None:
             self.run_id = known
             self.client.update_run(known, status=RunStatus.to_string(RunStatus.RUNNING))
             return
-        self.run_id = stored_run_id(log_dir, None, self.client.create_run(experiment_id, run_name=run_name).info.run_id)
+        self.run_id = record_run_id(log_dir, self.client.create_run(experiment_id, run_name=run_name).info.run_id)
         for key, value in config.items():
             self.client.log_param(self.run_id, key, str(value)[:500])
 

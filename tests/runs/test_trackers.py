@@ -214,11 +214,13 @@ def test_a_resumed_stage_writes_its_wandb_offline_run_under_the_killed_runs_id(t
 
 
 def test_a_resume_without_a_recorded_run_id_starts_one_and_records_it(tmp_path):
-    from stitch.runs.trackers import stored_run_id
+    from stitch.runs.trackers import record_run_id, resumed_run_id
 
-    assert stored_run_id(tmp_path / "t", 3, "fresh") == "fresh"  # a run whose trackers were added on resume
-    assert stored_run_id(tmp_path / "t", 5, "other") == "fresh"
-    assert stored_run_id(tmp_path / "t", None, "new") == "new"  # a fresh start records its own
+    assert resumed_run_id(tmp_path / "t", 3) is None  # a run whose trackers were added on resume
+    assert record_run_id(tmp_path / "t", "fresh") == "fresh"
+    assert resumed_run_id(tmp_path / "t", 5) == "fresh"
+    assert resumed_run_id(tmp_path / "t", None) is None  # a fresh start records its own
+    assert record_run_id(tmp_path / "t", "new") == "new" and resumed_run_id(tmp_path / "t", 1) == "new"
 
 
 def test_a_tracker_whose_package_is_missing_is_refused_naming_it_and_the_extra(monkeypatch):
