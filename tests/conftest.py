@@ -8,6 +8,16 @@ import pytest
 
 from stitch.host.host import get_host
 
+GPU_WORDS = ("CUDA", "GPU", "gpu", "nvjpeg")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``gpu`` every test that a CUDA skip condition guards (its reason names CUDA, a GPU or nvjpeg), so that
+    ``pytest -m gpu`` on a GPU machine runs exactly the tests a CPU run skips for want of one."""
+    for item in items:
+        if any(any(w in str(m.kwargs.get("reason", "")) for w in GPU_WORDS) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def settled_cpu_math():

@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-budget-gib", type=float, default=None)
     p.add_argument("--grpo-steps", type=int, default=None, help="timed GRPO steps (default 3; tiny 1)")
     p.add_argument("--skip-stock", action="store_true", help="stitch only (no stock SFT/generate)")
+    p.add_argument("--stock-budget", type=int, default=None, help="stock's first tokens a row (default the "
+                   "suite's budget; halved on running out of memory)")
+    p.add_argument("--train-lm", choices=("lora", "full"), default="lora", help="full: SFT trains every LM weight "
+                   "(recorded as '<model> (full fine-tune)' with the stage's memory estimate beside its peak; no "
+                   "GRPO, which refuses a full fine-tune, and no stock run)")
     p.add_argument("--keep", action="store_true", help="keep each snapshot after its run")
     p.add_argument("--profile", action="store_true", help="two more SFT steps and one more GRPO step under the "
                    "stages' profile_steps (not timed); their top operators go into the JSON")
@@ -80,12 +85,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         write_suite(args, {"models": results, "rows": rows_of(results, tiny)})
 
     for name in names:
+        key = name + (" (full fine-tune)" if args.train_lm == "full" else "")
         try:
-            result = one_model(name, args, lambda figures, name=name: save(name, figures))
+            result = one_model(name, args, lambda figures, key=key: save(key, figures))
         except Exception as exc:  # one model's failure is a result too (beside what it measured); the others run
-            log(f"{name}: FAILED {type(exc).__name__}: {exc}")
-            result = {**partial.get(name, {}), "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
-        results[name] = {**result, "measured": measured_here()}
+            log(f"{key}: FAILED {type(exc).__name__}: {exc}")
+            result = {**partial.get(key, {}), "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+        results[key] = {**result, "measured": measured_here()}
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {"models": results, "rows": rows_of(results, tiny)}
@@ -131,6 +137,12 @@ def allocated_gib() -> float | None:
     return round(torch.cuda.memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
 
 
+def memory_estimate(summary: dict[str, Any]) -> dict[str, Any]:
+    """The stage's own estimate of its training state (weights, gradients, AdamW moments), to set beside its peak."""
+    est = summary.get("memory_estimate") or {}
+    return {"memory_estimate_gib": round(est["bytes"] / 2**30, 2), "memory_estimate": est["arithmetic"]} if est else {}
+
+
 def _round(value: float | None) -> int | None:
     return None if value is None else round(value)
 
@@ -151,13 +163,13 @@ def one_model(name: str, args: argparse.Namespace, save: Callable[[dict[str, Any
                              else int(args.disk_budget_gib * 2**30))
         log(f"{name}: snapshot written in {time.perf_counter() - t0:.0f} s")
     spec = host.get("models", name)
-    model = name
+    model, full = name, args.train_lm == "full"
     if tiny:  # the product refuses a narrowed snapshot under the published name: register it as its own
         model = f"{name}-w128"
         host = harness.install_host((dataclasses.replace(spec, name=model, hidden_size=128),))
     base = harness.SHAPES["tiny" if tiny else "dense4b"]
     shape = dataclasses.replace(base, model=model, dtype="bfloat16" if torch.cuda.is_available() else "float32")
-    work = args.work / name
+    work = args.work / (name + ("-full" if full else ""))
     n = 128 if tiny else 512
     data = harness.write_jpeg_rows(work / "data", n, unique=min(n, 64), words=(5, 60) if tiny else (40, 400))
     lora = {"r": 16, "alpha": 32, "dropout": 0.0}
@@ -168,15 +180,19 @@ def one_model(name: str, args: argparse.Namespace, save: Callable[[dict[str, Any
     stages = {
         "alignment": {"partition": "alignment", "steps": 1, "batch_size": 1, "token_budget": settings.budget},
         "sft": {"partition": "train", "steps": sft_steps + extra["sft"], "batch_size": settings.batch,
-                "micro_batch_size": settings.micro, "token_budget": settings.budget, "lora": lora,
+                "micro_batch_size": settings.micro, "token_budget": settings.budget,
+                **({"train_lm": "full"} if full else {"lora": lora}),
                 "activation_checkpointing": settings.checkpointing, "buffer_size": 256},
         "grpo": {"partition": "grpo", "steps": 1 + grpo_steps + extra["grpo"], "prompts_per_step": prompts,
                  "group_size": group,
                  "max_new_tokens": new_tokens, "micro_batch_size": settings.grpo_micro, "temperature": 1.0, "lora": lora,
                  "activation_checkpointing": settings.checkpointing}}
+    if full:
+        del stages["grpo"]
     if args.profile:  # the profiled steps come after the timed ones and are left out of the medians
         stages["sft"]["profile_steps"] = [sft_steps + 1, sft_steps + 2]
-        stages["grpo"]["profile_steps"] = [2 + grpo_steps] * 2
+        if "grpo" in stages:
+            stages["grpo"]["profile_steps"] = [2 + grpo_steps] * 2
     recipe = harness.write_recipe(work, shape, data, n, stages, snapshot=snapshot)
     run_dir = work / "run"
     harness.prepare(recipe, run_dir)
@@ -185,7 +201,7 @@ def one_model(name: str, args: argparse.Namespace, save: Callable[[dict[str, Any
     sft_records = harness.train(recipe, "sft", run_dir)[:sft_steps]
     sft_peak = peak_gib()
     summary = json.loads((run_dir / "sft" / "summary.json").read_text())
-    trainable = summary["trainable_parameters"]["adapter"] + summary["trainable_parameters"]["projector"]
+    trainable = sum(summary["trainable_parameters"].values())
     params = active_params(snapshot)
     flops = flops_per_token(params["active"], trainable)
     stitch_tps = harness.median_after(sft_records, "tokens_per_s", args.warmup)
@@ -193,13 +209,15 @@ def one_model(name: str, args: argparse.Namespace, save: Callable[[dict[str, Any
            "stitch_stage_steady_tokens_per_s": summary.get("steady_tokens_per_s"),
            "tokens_per_optimizer_step": harness.median_after(sft_records, "tokens", args.warmup),
            "settings": dataclasses.asdict(settings), "peak_gib": sft_peak, **mfu(flops, stitch_tps),
-           "stock_tokens_per_s": None}
+           "stock_tokens_per_s": None, **memory_estimate(summary)}
     if "profile" in summary:
         sft["profile_top"] = summary["profile"]["top"]
     log(f"{name} sft: {json.dumps(sft)}")
     params_of = {"snapshot": str(snapshot), "params": params, "trainable": trainable}
     grpo: dict[str, Any] = {"generate_tokens_per_s": None}
     save({**params_of, "sft": sft, "grpo": grpo})
+    if full:  # GRPO refuses a full fine-tune; the stock side compares LoRA runs
+        return {**params_of, "sft": sft}
     gc.collect()
     grpo["allocated_gib_before"] = allocated_gib()
     try:  # stitch's GRPO before stock loads anything: its peak is its own
@@ -215,7 +233,7 @@ def one_model(name: str, args: argparse.Namespace, save: Callable[[dict[str, Any
     if not args.skip_stock:
         sft["allocated_gib_before_stock"] = allocated_gib()
         lm, tok = stock_lm(snapshot, spec, lora, settings, shape.dtype)
-        budget = settings.budget
+        budget = args.stock_budget or settings.budget
         while sft["stock_tokens_per_s"] is None and budget >= 512:
             try:  # out of memory: the largest row of a power-of-two fraction that fits (recorded beside the figure)
                 stock = stock_sft(lm, tok, data, dataclasses.replace(settings, budget=budget), args)
