@@ -111,7 +111,7 @@ def test_a_models_call_cut_off_mid_model_leaves_the_figures_it_measured_in_model
         raise RuntimeError("stock ran out of time")
 
     monkeypatch.setattr(models, "one_model", one_model)
-    args = argparse.Namespace(suite="models", shape="dense4b", models="qwen3.5-4b", out=tmp_path / "out")
+    args = argparse.Namespace(suite="models", shape="dense4b", models="qwen3.5-4b", train_lm="lora", out=tmp_path / "out")
     payload = models.run(args)
     assert seen_on_disk == [sft]
     entry = payload["models"]["qwen3.5-4b"]
