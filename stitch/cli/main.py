@@ -11,7 +11,6 @@ import stitch.cli.snapshot  # noqa: F401
 import stitch.cli.stages  # noqa: F401
 from stitch.cli.app import app
 from stitch.cli.errors import run_guarded
-from stitch.kernels.cpu_math import settle_cpu_math
 from stitch.runs.progress import quiet_library_bars
 
 
@@ -19,5 +18,4 @@ def main() -> None:
     """Console entry point: a user-facing error prints one line and exits with its class's code (docs/errors.md);
     ``stitch --debug`` (or STITCH_DEBUG=1) adds the traceback."""
     quiet_library_bars()  # before transformers loads: a log file gets no \r bars from it either
-    settle_cpu_math()  # MKL's kernel choices made on one thread, before any command's parallel CPU math
     run_guarded(app)

@@ -8,15 +8,19 @@ before they do anything else."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from typer.testing import CliRunner
 
+from stitch.cli.app import app
 from stitch.kernels import cpu_math
 from stitch.stages import loop
 
-cli_main = importlib.import_module("stitch.cli.main")  # the module: stitch.cli.main is also its function
+importlib.import_module("stitch.cli.main")  # every command module registers its commands on the app
 
 # ATen's smallest parallel grain for these ops: a tensor below it runs on the calling thread only
 SERIAL_GRAIN = 2048
@@ -65,9 +69,15 @@ def test_run_stage_settles_cpu_math_before_it_reads_the_recipe(monkeypatch, tmp_
 
 
 def test_the_cli_settles_cpu_math_before_it_runs_a_command(monkeypatch):
-    ran = []
-    monkeypatch.setattr(cli_main, "settle_cpu_math", _refuse)
-    monkeypatch.setattr(cli_main, "run_guarded", ran.append)
-    with pytest.raises(_Settled):
-        cli_main.main()
-    assert ran == []
+    monkeypatch.setattr(cpu_math, "settle_cpu_math", _refuse)
+    result = CliRunner().invoke(app, ["list-plugins"])
+    assert isinstance(result.exception, _Settled)
+    assert result.output == ""  # the command, which prints the plugin table, never ran
+
+
+def test_stitch_help_alone_starts_without_torch():
+    code = ("import sys\nsys.argv = ['stitch', '--help']\nfrom stitch.cli.main import main\ntry:\n    main()\n"
+            "except SystemExit:\n    pass\nprint('torch loaded' if 'torch' in sys.modules else 'no torch')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Usage" in res.stdout and res.stdout.strip().endswith("no torch")
