@@ -10,7 +10,6 @@ per class (docs/errors.md); anything else is an internal error, shown with its t
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import sys
 import traceback
@@ -27,43 +26,35 @@ DEBUG_ENV = "STITCH_DEBUG"  # set by ``stitch --debug``: user-facing errors keep
 class ErrorClass:
     code: int
     name: str
-    types: tuple[type[BaseException], ...]
+    types: tuple[str, ...]  # "module:Class"
+
+    def loaded_types(self) -> tuple[type[BaseException], ...]:
+        """The types whose modules this process imported: one it never imported cannot have been raised, so
+        classifying an error imports nothing (a refusal made before torch, transformers or datasets loaded stays
+        as quick as it was)."""
+        pairs = (t.split(":") for t in self.types)
+        return tuple(getattr(sys.modules[module], name) for module, name in pairs if module in sys.modules)
 
 
+# the first class an error is an instance of wins: integrity before input (its errors are ValueErrors too)
+ERROR_CLASSES = (
+    ErrorClass(4, "resource", ("stitch.runs.diskspace:DiskFullError", "stitch.runs.lock:RunLockedError",
+                               "builtins:MemoryError", "torch:OutOfMemoryError")),
+    ErrorClass(3, "artifact", ("stitch.runs.checkpoint:CheckpointIntegrityError",
+                               "stitch.data.feature_cache:FeatureCacheError", "stitch.model.artifacts:ArtifactError",
+                               "stitch.model.loading:SnapshotError")),
+    ErrorClass(2, "input", ("builtins:ValueError", "stitch.data.rows:PrepareError", "builtins:OSError",
+                            "stitch.host.host:PluginError", "stitch.host.host:RegistryLookupError")),
+)
 INTERNAL_CODE = 1
-
-
-@functools.cache
-def error_classes() -> tuple[ErrorClass, ...]:
-    """The classes in the order they are tried: the first an error is an instance of wins (integrity before input:
-    its errors are ValueErrors too)."""
-    # imported when an error is classified, not when the CLI starts: these modules bring torch, transformers and
-    # datasets, seconds that `stitch --help` and a refusal before any model work should not pay
-    import torch
-
-    from stitch.data.feature_cache import FeatureCacheError
-    from stitch.data.rows import PrepareError
-    from stitch.host.host import PluginError, RegistryLookupError
-    from stitch.model.artifacts import ArtifactError
-    from stitch.model.loading import SnapshotError
-    from stitch.runs.checkpoint import CheckpointIntegrityError
-    from stitch.runs.diskspace import DiskFullError
-    from stitch.runs.lock import RunLockedError
-
-    return (
-        ErrorClass(4, "resource", (DiskFullError, RunLockedError, MemoryError, torch.OutOfMemoryError)),
-        ErrorClass(3, "artifact", (CheckpointIntegrityError, FeatureCacheError, ArtifactError, SnapshotError)),
-        ErrorClass(2, "input", (ValueError, PrepareError, OSError, PluginError, RegistryLookupError)),
-    )
 
 
 def classify(exc: BaseException) -> ErrorClass | None:
     """The class of a user-facing error (an ``ENOSPC`` that no writer named still counts as a full disk), None for
     an internal one."""
-    classes = error_classes()
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return classes[0]
-    return next((c for c in classes if isinstance(exc, c.types)), None)
+        return ERROR_CLASSES[0]
+    return next((c for c in ERROR_CLASSES if isinstance(exc, c.loaded_types())), None)
 
 
 def one_line(exc: BaseException) -> str:

@@ -34,15 +34,16 @@ def train(
     max_steps: int = typer.Option(None, "--max-steps", help="Stop after this many steps (for smoke runs)."),
 ) -> None:
     """Run one post-training stage of a recipe; prepared data is read from OUT/data."""
-    from stitch.stages.distributed import launch_rank  # deferred: stitch --help skips torch
-    from stitch.stages.loop import run_stage  # deferred: stitch --help skips torch
-
     if stage not in STAGES:
         raise typer.BadParameter(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
     loaded = _load(recipe, overrides)
     validate_recipe(loaded, get_host())
     if stage not in loaded.stages:
         raise typer.BadParameter(f"recipe {loaded.name!r} has no stage {stage!r}; it has {sorted(loaded.stages)}")
+    # deferred past the recipe's checks: torch and transformers take seconds a refused recipe should not wait for
+    from stitch.stages.distributed import launch_rank
+    from stitch.stages.loop import run_stage
+
     summary = run_stage(loaded, stage, out or Path("runs") / loaded.name, registry=get_host(), resume=resume,
                         max_steps=max_steps)
     if launch_rank() == 0:
@@ -94,13 +95,14 @@ def run(
     dpo: bool = typer.Option(False, "--dpo", help="Also run the DPO stage after GRPO."),
 ) -> None:
     """The main job: prepare -> alignment -> SFT -> GRPO -> evaluation -> answers to a few held-out rows."""
-    from stitch.stages.chain import DEFAULT_STAGES, run_chain  # deferred: stitch --help skips torch
-
     if "=" in recipe and not Path(recipe).exists():  # `stitch run key=value ...`: overrides of the default recipe
         overrides, recipe = [recipe, *(overrides or [])], "demo"
     loaded = _load(recipe, overrides)
     out = out or Path("runs") / loaded.name
     validate_recipe(loaded, get_host())  # every stage's options, before any data or weights are touched
+    # deferred past the recipe's checks, as in train
+    from stitch.stages.chain import DEFAULT_STAGES, run_chain
+
     summary = run_chain(loaded, out, registry=get_host(), stages=DEFAULT_STAGES + (("dpo",) if dpo else ()),
                         resume=not fresh)
     table = wrapping_table(f"stitch run {loaded.name} -> {out}", "stage", "seconds", "eval accuracy", "notes")
@@ -144,12 +146,13 @@ def prepare(
                                                         "cpu, cuda, cuda:1...)."),
 ) -> None:
     """Stream the recipe's dataset, encode each row once, write feature-cache/ + manifest.jsonl."""
-    from stitch.data.prepare import describe_skips  # deferred: stitch --help skips torch
-    from stitch.data.prepare_report import REPORT_NAME  # deferred: stitch --help skips torch
-    from stitch.model.binding import ModelBinding  # deferred: stitch --help skips torch
-    from stitch.stages.chain import prepare_data  # deferred: stitch --help skips torch
-
     loaded = _load(recipe, overrides)
+    # deferred past the recipe's checks, as in train
+    from stitch.data.prepare import describe_skips
+    from stitch.data.prepare_report import REPORT_NAME
+    from stitch.model.binding import ModelBinding
+    from stitch.stages.chain import prepare_data
+
     out = out or Path("runs") / loaded.name / "data"
     if device == "auto":
         import torch  # deferred: stitch --help skips torch

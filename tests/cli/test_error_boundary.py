@@ -4,12 +4,14 @@ exit code per class (2 input, 3 artifact, 4 resource, docs/errors.md); `stitch r
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.stitch_testing import cli, write_recipe
 
+from stitch.cli.errors import ERROR_CLASSES
 from stitch.config.recipe import BuiltinSource
 from stitch.demo.data import builtin_parquet
 
@@ -117,3 +119,31 @@ def test_an_internal_error_says_it_is_one_with_its_traceback_and_exit_code_1(tmp
     assert res.returncode == 1
     assert "Traceback" in res.stderr and "internal error (a bug in stitch" in res.stderr
     assert "KeyError: a bug" in res.stderr.splitlines()[-1]
+
+
+def test_every_type_the_boundary_names_is_an_exception_class_of_its_module():
+    for error_class in ERROR_CLASSES:
+        for named in error_class.types:
+            module, name = named.split(":")
+            assert issubclass(getattr(importlib.import_module(module), name), BaseException), named
+
+
+REFUSED_RECIPE = """
+import sys
+from stitch.cli import main
+sys.argv = ["stitch", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as exc:
+    print("exit", exc.code, "loaded:", *sorted({"transformers", "datasets", "peft"} & set(sys.modules)))
+"""
+
+
+def test_a_missing_recipe_is_refused_in_one_line_before_transformers_or_datasets_load(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    for args in (["train", "sft", "--recipe", str(missing)], ["run", str(missing)], ["prepare", "--recipe", str(missing)]):
+        res = subprocess.run([sys.executable, "-c", REFUSED_RECIPE, *args], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=120)
+        assert res.stdout.strip() == "exit 2 loaded:", (args, res.stdout, res.stderr[-2000:])
+        assert res.stderr.strip().splitlines() == [f"error: recipe file {str(missing)!r} does not exist"]
+    assert list(tmp_path.iterdir()) == []
