@@ -87,8 +87,6 @@ def infer(
     max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
 ) -> None:
     """Answer questions about inputs: the model loads once; per input the encoder runs once, then projector and engine."""
-    from stitch.serve.inference import Stitched  # deferred: stitch --help skips torch
-
     if input_rows is None:
         if not media or question is None:
             raise typer.BadParameter("give --media FILE and --question, or --input ROWS.jsonl")
@@ -100,6 +98,9 @@ def infer(
         if media or question is not None:
             raise typer.BadParameter("--input answers a JSONL of rows; do not also give --media/--question")
         rows = _read_jsonl(input_rows)  # every row checked before the model loads
+    # deferred past the rows' checks: torch and transformers take seconds a refused row should not wait for
+    from stitch.serve.inference import Stitched
+
     server = Stitched(adapter, get_host(), engine=engine)
     err_console.print(f"checkpoint: {server.checkpoint.step_dir}", highlight=False)
     if input_rows is None:
