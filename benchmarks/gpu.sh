@@ -4,7 +4,7 @@
 # then run benchmarks/bench.py for each SUITE into $OUT (default /tmp/out) and copy RESULTS.md beside the JSONs.
 #   STITCH_BENCH_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu.sh sft grpo   # device call, carry [".whl"]
 #   STITCH_BENCH_COMMIT=... bash benchmarks/gpu.sh prepare -- --images 16384          # bench.py options after --
-#   bash benchmarks/gpu.sh tests                                       # `pytest -m gpu`: the GPU tests, JUnit XML
+#   bash benchmarks/gpu.sh tests [-- tests/rollout]                    # `pytest -m gpu`: the GPU tests, JUnit XML
 # The device copy's git metadata is stale, so the JSONs take their commit from STITCH_BENCH_COMMIT (passed through).
 # Setup is idempotent: a warm machine skips the installs. Each suite gets SUITE_TIMEOUT seconds (default 570).
 set -uo pipefail
@@ -51,9 +51,9 @@ python3 -c "import importlib.util as u, torch, triton; print('triton', triton.__
 rc=0
 for suite in "${suites[@]}"; do
   echo "== $suite"
-  if [ "$suite" = tests ]; then  # the GPU tests (`-m gpu`, tests/conftest.py), as JUnit XML with their pass counts
+  if [ "$suite" = tests ]; then  # the GPU tests (`-m gpu`, tests/conftest.py) as JUnit XML; paths after -- narrow them
     timeout "${SUITE_TIMEOUT:-570}" python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
-      tests 2>&1 | tee "$OUT/tests.log" | tail -40
+      "${@:-tests}" 2>&1 | tee "$OUT/tests.log" | tail -40
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     continue
   fi
