@@ -50,7 +50,7 @@ def _options(debug: bool = typer.Option(False, "--debug", help="Show the traceba
     """stitch: attach a frozen encoder to a base LM through a projector, and post-train it."""
     if debug:
         os.environ["STITCH_DEBUG"] = "1"  # read by the error boundary (stitch.cli.errors)
-    # here, before every command and not for `stitch --help` alone, which then starts without torch
-    from stitch.kernels.cpu_math import settle_cpu_math
+    # here, before every command and not for `stitch --help` alone
+    from stitch.kernels.cpu_math import settle_cpu_math  # deferred: stitch --help starts without torch
 
     settle_cpu_math()  # MKL's kernel choices made on one thread, before any command's parallel CPU math

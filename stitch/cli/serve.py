@@ -98,8 +98,7 @@ def infer(
         if media or question is not None:
             raise typer.BadParameter("--input answers a JSONL of rows; do not also give --media/--question")
         rows = _read_jsonl(input_rows)  # every row checked before the model loads
-    # deferred past the rows' checks: torch and transformers take seconds a refused row should not wait for
-    from stitch.serve.inference import Stitched
+    from stitch.serve.inference import Stitched  # deferred: torch + transformers, past the rows' checks
 
     server = Stitched(adapter, get_host(), engine=engine)
     err_console.print(f"checkpoint: {server.checkpoint.step_dir}", highlight=False)

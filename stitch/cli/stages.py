@@ -40,9 +40,9 @@ def train(
     validate_recipe(loaded, get_host())
     if stage not in loaded.stages:
         raise typer.BadParameter(f"recipe {loaded.name!r} has no stage {stage!r}; it has {sorted(loaded.stages)}")
-    # deferred past the recipe's checks: torch and transformers take seconds a refused recipe should not wait for
-    from stitch.stages.distributed import launch_rank
-    from stitch.stages.loop import run_stage
+    # torch and transformers take seconds that a refused recipe should not wait for
+    from stitch.stages.distributed import launch_rank  # deferred: past the recipe's checks
+    from stitch.stages.loop import run_stage  # deferred: past the recipe's checks
 
     summary = run_stage(loaded, stage, out or Path("runs") / loaded.name, registry=get_host(), resume=resume,
                         max_steps=max_steps)
@@ -100,8 +100,7 @@ def run(
     loaded = _load(recipe, overrides)
     out = out or Path("runs") / loaded.name
     validate_recipe(loaded, get_host())  # every stage's options, before any data or weights are touched
-    # deferred past the recipe's checks, as in train
-    from stitch.stages.chain import DEFAULT_STAGES, run_chain
+    from stitch.stages.chain import DEFAULT_STAGES, run_chain  # deferred: past the recipe's checks
 
     summary = run_chain(loaded, out, registry=get_host(), stages=DEFAULT_STAGES + (("dpo",) if dpo else ()),
                         resume=not fresh)
@@ -147,11 +146,10 @@ def prepare(
 ) -> None:
     """Stream the recipe's dataset, encode each row once, write feature-cache/ + manifest.jsonl."""
     loaded = _load(recipe, overrides)
-    # deferred past the recipe's checks, as in train
-    from stitch.data.prepare import describe_skips
-    from stitch.data.prepare_report import REPORT_NAME
-    from stitch.model.binding import ModelBinding
-    from stitch.stages.chain import prepare_data
+    from stitch.data.prepare import describe_skips  # deferred: past the recipe's checks
+    from stitch.data.prepare_report import REPORT_NAME  # deferred: past the recipe's checks
+    from stitch.model.binding import ModelBinding  # deferred: past the recipe's checks
+    from stitch.stages.chain import prepare_data  # deferred: past the recipe's checks
 
     out = out or Path("runs") / loaded.name / "data"
     if device == "auto":
