@@ -52,13 +52,11 @@ rc=0
 for suite in "${suites[@]}"; do
   echo "== $suite"
   if [ "$suite" = tests ]; then  # the GPU tests (`-m gpu`, tests/conftest.py) as JUnit XML; paths after -- narrow them
-    timeout "${SUITE_TIMEOUT:-570}" python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
-      "${@:-tests}" 2>&1 | tee "$OUT/tests.log" | tail -40
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-    continue
+    run=(python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" "${@:-tests}")
+  else
+    run=(python3 benchmarks/bench.py "$suite" --shape "${SHAPE:-dense4b}" --out "$OUT" "$@")
   fi
-  timeout "${SUITE_TIMEOUT:-570}" python3 benchmarks/bench.py "$suite" --shape "${SHAPE:-dense4b}" --out "$OUT" "$@" \
-    2>&1 | tee "$OUT/$suite.log" | grep -v "it/s]$" | tail -20
+  timeout "${SUITE_TIMEOUT:-570}" "${run[@]}" 2>&1 | tee "$OUT/$suite.log" | grep -v "it/s]$" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 done
 (cd ~/.triton/cache && find . -name '*.autotune.json' | tar cJf "$OUT/triton_autotune.tar.xz" -T -)
