@@ -6,7 +6,11 @@ import os
 
 import pytest
 
-from stitch.host.host import get_host
+if "PYTEST_XDIST_WORKER" in os.environ:  # one thread a worker: `-n auto` starts one worker per core, and two
+    # threads a worker on the same cores spin against each other (the suite ran 2x slower on two cores)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from stitch.host.host import get_host  # noqa: E402
 
 GPU_WORDS = ("CUDA", "GPU", "gpu", "nvjpeg")
 
@@ -23,8 +27,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def settled_cpu_math():
     """MKL's first-call kernel choices made on one thread before any test's CPU math, as the CLI does
     (``stitch.kernels.cpu_math``): a test comparing two paths on its process's first forward compares exact math."""
+    import torch
+
     from stitch.kernels.cpu_math import settle_cpu_math
 
+    if "PYTEST_XDIST_WORKER" in os.environ:  # in case torch was imported before this file set the variable
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     settle_cpu_math()
 
 
