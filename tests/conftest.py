@@ -27,12 +27,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def settled_cpu_math():
     """MKL's first-call kernel choices made on one thread before any test's CPU math, as the CLI does
     (``stitch.kernels.cpu_math``): a test comparing two paths on its process's first forward compares exact math."""
-    import torch
-
     from stitch.kernels.cpu_math import settle_cpu_math
 
-    if "PYTEST_XDIST_WORKER" in os.environ:  # in case torch was imported before this file set the variable
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     settle_cpu_math()
 
 
@@ -61,10 +57,9 @@ def host():
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, stitch_cache):
     """A small prepared run directory (the demo base, tiny CLIP) with a finished alignment stage."""
-    from tests.stitch_testing import prepare_resolved, write_recipe
-
     from stitch.config.recipe import load_recipe
     from stitch.stages.loop import run_stage
+    from tests.stitch_testing import prepare_resolved, write_recipe
 
     root = tmp_path_factory.mktemp("prepared")
     recipe = load_recipe(write_recipe(root / "small.yaml"))
@@ -78,10 +73,9 @@ def sft_run(prepared, tmp_path_factory):
     """``prepared`` plus a 4-step SFT stage: a donor for GRPO, DPO and inference tests."""
     import shutil
 
-    from tests.stitch_testing import write_recipe
-
     from stitch.config.recipe import load_recipe
     from stitch.stages.loop import run_stage
+    from tests.stitch_testing import write_recipe
 
     root = tmp_path_factory.mktemp("sft-run")
     shutil.copytree(prepared / "run", root / "run")

@@ -9,11 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.stitch_testing import cli, write_recipe
-
 from stitch.cli.errors import ERROR_CLASSES
 from stitch.config.recipe import BuiltinSource
 from stitch.demo.data import builtin_parquet
+from tests.stitch_testing import cli, write_recipe
 
 ENOSPC_SHARD = """
 import errno, sys

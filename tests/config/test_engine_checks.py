@@ -4,12 +4,12 @@ only the adapter under Ray placement (the replicas receive merged weights), is r
 from __future__ import annotations
 
 import pytest
-from tests.stitch_testing import write_recipe
 
 from stitch.api import RolloutEngineSpec, hookimpl
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.host.host import RegistryLookupError, load_plugins
 from stitch.host.validate import validate_recipe
+from tests.stitch_testing import write_recipe
 
 
 class _AdapterOnlyEngine:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from tests.stitch_testing import write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.config.validate import check_launch
 from stitch.host.host import get_host, load_plugins
 from stitch.host.validate import validate_recipe
+from tests.stitch_testing import write_recipe
 
 MULTI_GPU = {"qwen3.5-4b-grpo-2gpu": (2, 1), "qwen3.5-4b-grpo-8gpu": (8, 7)}  # name -> (GPUs, rollout replicas)
 

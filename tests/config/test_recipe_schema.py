@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.stitch_testing import write_recipe
 
 from stitch.config.describe import reference_markdown, schema_fields
 from stitch.config.options import SFTOptions
 from stitch.config.recipe import RecipeError, RecipeFile, TaskConfig, load_recipe, parse_recipe
 from stitch.host.host import get_host, load_plugins
+from tests.stitch_testing import write_recipe
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import copy
 
 import pytest
-from tests.stitch_testing import BASE
 
 from stitch.config.recipe import RecipeError, parse_recipe
+from tests.stitch_testing import BASE
 
 
 def _recipe(**sft) -> dict:

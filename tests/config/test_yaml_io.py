@@ -4,10 +4,10 @@ binary file is refused naming the file, and the safe loader still runs no ``!!py
 from __future__ import annotations
 
 import pytest
-from tests.stitch_testing import write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.config.yaml_io import RecipeFileError, read_yaml_file
+from tests.stitch_testing import write_recipe
 
 
 def test_a_top_level_key_given_twice_is_refused_with_both_line_numbers(tmp_path):

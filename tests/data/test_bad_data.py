@@ -18,13 +18,13 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from tests.stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
 from stitch.data.feature_cache import PreparedData
 from stitch.data.prepare import PrepareError
 from stitch.data.prepare_report import REPORT_NAME
 from stitch.host.host import get_host
+from tests.stitch_testing import prepare_resolved
 
 pytest.importorskip("stitch_clip", reason="the tiny CLIP encoder comes from the stitch-clip plugin")
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tests.stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
 from stitch.data.feature_cache import CACHE_DIRNAME, MANIFEST_NAME, PreparedData
 from stitch.data.prepare import BudgetExceeded, PrepareError
+from tests.stitch_testing import prepare_resolved
 
 pytest.importorskip("stitch_clip", reason="the tiny CLIP encoder comes from the stitch-clip plugin")
 

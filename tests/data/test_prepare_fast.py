@@ -10,17 +10,16 @@ import json
 import numpy as np
 import pytest
 import torch
-from tests.stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
 from stitch.data.prepare_report import REPORT_NAME
+from tests.stitch_testing import prepare_resolved
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
+from stitch_clip.encoder import ClipGeometry, clip_geometry, decode_image  # noqa: E402
 from tests.data.test_bad_data import hostile, hostile_recipe  # noqa: E402,F401  (hostile: the fixture, used by name)
 from tests.data.test_prepare import dir_snapshot, write_recipe  # noqa: E402
-
-from stitch_clip.encoder import ClipGeometry, clip_geometry, decode_image  # noqa: E402
 
 # Measured (Pillow 13, torch 2.13, transformers 5.19, the sizes below): the geometry resizes on torch's uint8 kernels,
 # PIL's filter in fixed point, so PNG pixels are within one uint8 level of the processor's (one level is 0.0150 in

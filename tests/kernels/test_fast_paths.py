@@ -11,7 +11,6 @@ import random
 
 import pytest
 import torch
-from tests.stitch_testing import DeviceReads
 
 from stitch.data.packing import Sample, collate_packs
 from stitch.host.host import get_host, load_plugins
@@ -19,6 +18,7 @@ from stitch.kernels import attention, cross_entropy
 from stitch.model import stitched as stitched_module
 from stitch.model.loading import load_model
 from stitch.model.stitched import StitchedModel
+from tests.stitch_testing import DeviceReads
 
 PRESETS = ["qwen3.5-demo", "qwen3.5-tiny", "nemotron-nano-tiny"]
 FEATURE_WIDTH = 16

@@ -11,11 +11,11 @@ import time
 
 import pytest
 import torch
-from tests.stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
 from stitch.data.prepare import PrepareError, PromptCheck
 from stitch.kernels.prepare_workers import ENCODE_PHASES, PhaseClock, ShardEncoder
+from tests.stitch_testing import prepare_resolved
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
 
@@ -312,9 +312,8 @@ def test_the_next_shard_is_gathered_while_the_encode_thread_encodes_one(tmp_path
     would give up waiting at the timeout. The output is the same bytes as a run whose encoder never waits."""
     import threading
 
-    from tests.data.test_prepare import dir_snapshot
-
     from stitch.data import prepare as prep
+    from tests.data.test_prepare import dir_snapshot
 
     inner = host_module.get("encoders", ENCODER)
     recipe = load_recipe(write_recipe(tmp_path, prepare={"workers": 1}))

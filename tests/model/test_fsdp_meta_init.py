@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from tests.stitch_testing import copy_prepared, write_recipe
 
 # alignment under both paths in one launch (torchrun start-up costs 10-25 s here)

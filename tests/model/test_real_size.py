@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from tests.stitch_testing import cli, copy_prepared, write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.host.host import get_host
 from stitch.model.loading import SnapshotError, load_model, with_local_snapshot
 from stitch.model.snapshots import shrink_layer_pattern, write_model_snapshot
 from stitch.stages.loop import run_stage
+from tests.stitch_testing import cli, copy_prepared, write_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLISHED = ("qwen3.5-4b", "qwen3.6-35b-a3b", "nemotron-3-nano-4b", "nemotron-3.5-lightning-30b-a3b")

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.stitch_testing import copy_prepared, write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.host.host import get_host
 from stitch.model.artifacts import ArtifactError
 from stitch.model.loading import SnapshotError
 from stitch.stages.loop import run_stage
+from tests.stitch_testing import copy_prepared, write_recipe
 
 MODEL = "qwen3.5-demo"  # the tests' default base (stitch_testing.BASE)
 EMBED = "model.embed_tokens.weight"  # no LoRA target: after a merge it is still the base's tensor

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from tests.stitch_testing import BASE, write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.host import host as host_module
@@ -40,6 +39,7 @@ from stitch.rollout.engines import Completion
 from stitch.rollout.payloads import PayloadError, feature_payload_spec
 from stitch.rollout.prompts import payload_for, prompt_embeddings
 from stitch.stages.loop import run_stage
+from tests.stitch_testing import BASE, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS, WIDTH = 3, 8  # the probe encoder's contract: small, and unlike any shipped encoder's

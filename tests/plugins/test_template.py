@@ -115,9 +115,9 @@ def test_rendered_readme_recipe_parses_and_prepares_data_stored_as_it_says(insta
     """The README's recipe is a shipped recipe in effect: every field must be known to the loader and the
     stages, and `prepare` must run the plugin over data stored as the README says, skipping a corrupt row."""
     from datasets import Dataset
-    from tests.stitch_testing import prepare_resolved
 
     from stitch.host.validate import validate_recipe
+    from tests.stitch_testing import prepare_resolved
 
     project, _ = installed
     block = re.search(r"```yaml\n(.*?)```", (project / "README.md").read_text(), re.S)

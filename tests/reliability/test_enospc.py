@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tests.stitch_testing import prepare_resolved, write_recipe
 
 import stitch.data.prepare as prepare_module
 import stitch.data.prepare_report as report_module
@@ -18,6 +17,7 @@ from stitch.config.recipe import load_recipe
 from stitch.host.host import get_host
 from stitch.runs.diskspace import DiskFullError
 from stitch.stages.loop import run_stage
+from tests.stitch_testing import prepare_resolved, write_recipe
 
 SMALL = {"data__source__rows": 16, "data__source__caption_rows": 2,
          "data__partitions": {"alignment": [0, 4], "train": [4, 8], "eval": [8, 12], "grpo": [12, 16]},

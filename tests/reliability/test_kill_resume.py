@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.stitch_testing import cli, write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.host.host import get_host
 from stitch.runs.resume import ResumeMismatchError
 from stitch.stages.loop import run_stage
+from tests.stitch_testing import cli, write_recipe
 
 STEPS, SAVE_EVERY = 6, 2
 

@@ -9,11 +9,11 @@ import functools
 
 import pytest
 import torch
-from tests.stitch_testing import DeviceReads
-from tests.rollout.test_decode_static import PAD, SUPPRESS, prompts
 
 from stitch.rollout import decode
 from stitch.rollout.engines import EmbeddedEngine
+from tests.rollout.test_decode_static import PAD, SUPPRESS, prompts
+from tests.stitch_testing import DeviceReads
 
 pytest.importorskip("stitch_qwen", reason="the Qwen3.5 presets come from the stitch-qwen plugin")
 pytest.importorskip("stitch_nemotron", reason="the Nemotron-H presets come from the stitch-nemotron plugin")

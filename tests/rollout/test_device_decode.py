@@ -13,20 +13,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.stitch_testing import prepare_resolved
 
 from stitch.config.recipe import load_recipe
 from stitch.data.prepare import preprocess_for
+from tests.stitch_testing import prepare_resolved
 
 pytest.importorskip("stitch_clip", reason="the CLIP encoder comes from the stitch-clip plugin")
-
-from tests.data.test_prepare import dir_snapshot  # noqa: E402
-from tests.data.test_prepare_fast import photo_bytes  # noqa: E402
 
 import stitch_clip.encoder as clip_encoder  # noqa: E402
 import stitch_clip.nvjpeg as nvjpeg  # noqa: E402
 from stitch_clip.encoder import ClipGeometry  # noqa: E402
 from stitch_clip.nvjpeg import ClipDeviceGeometry, JpegItem  # noqa: E402
+from tests.data.test_prepare import dir_snapshot  # noqa: E402
+from tests.data.test_prepare_fast import photo_bytes  # noqa: E402
 
 GEOMETRY = ClipGeometry(224, (224, 224), 3)  # CLIP's: shortest edge 224, centre crop 224, bicubic
 SIZES = [(640, 427), (427, 640), (500, 375), (224, 300), (301, 224), (640, 640), (300, 229)]

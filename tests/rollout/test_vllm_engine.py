@@ -175,10 +175,9 @@ def test_grpo_with_the_vllm_engine_trains_and_reports_parity_with_the_training_f
     import json
     import shutil
 
-    from tests.stitch_testing import write_recipe
-
     from stitch.config.recipe import load_recipe
     from stitch.stages.loop import run_stage
+    from tests.stitch_testing import write_recipe
 
     run = tmp_path / "run"
     shutil.copytree(prepared / "run" / "data", run / "data")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.stitch_testing import prepare_resolved, write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.data.feature_cache import FeatureCacheError, PreparedData, shard_digest_path
+from tests.stitch_testing import prepare_resolved, write_recipe
 
 
 @pytest.fixture

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.stitch_testing import copy_prepared, write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.host.host import get_host
 from stitch.model.checkpointing import CheckpointingError, decoder_layers, layer_kind
 from stitch.stages.loop import setup
+from tests.stitch_testing import copy_prepared, write_recipe
 
 
 def _one_step(recipe_path: Path, run: Path, stage: str) -> tuple[dict, dict[str, torch.Tensor], object]:

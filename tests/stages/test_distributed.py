@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.stitch_testing import copy_prepared, write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.config.validate import check_launch
 from stitch.host.host import get_host
 from stitch.host.validate import validate_recipe
 from stitch.stages.loop import run_stage, stage_options
+from tests.stitch_testing import copy_prepared, write_recipe
 
 REL = 1e-5  # one process vs two on the same global batch: fp32 summation order only
 

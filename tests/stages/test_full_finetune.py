@@ -14,7 +14,6 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from tests.stitch_testing import cli, kill_after_checkpoint, write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.host.host import get_host
@@ -24,6 +23,7 @@ from stitch.model.memory import TrainingMemoryError
 from stitch.serve.export import export_checkpoint
 from stitch.serve.inference import Stitched
 from stitch.stages.loop import run_stage
+from tests.stitch_testing import cli, kill_after_checkpoint, write_recipe
 
 STEPS, SAVE_EVERY = 6, 3
 FULL = {"stages__sft__train_lm": "full", "stages__sft__lr_lm": 1e-3, "stages__grpo": None, "stages__dpo": None,

@@ -7,11 +7,11 @@ import json
 import shutil
 
 import pytest
-from tests.stitch_testing import copy_prepared, write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.host.host import get_host
 from stitch.stages.loop import run_stage
+from tests.stitch_testing import copy_prepared, write_recipe
 
 
 def _sft(prepared, tmp_path, name, **overrides):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.stitch_testing import write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.host.host import get_host
@@ -22,6 +21,7 @@ from stitch.rollout.ray_rollout import (
     receive_state_dict,
 )
 from stitch.stages.loop import run_stage
+from tests.stitch_testing import write_recipe
 
 RAY_MISSING = "ray is not installed (a test dependency: ray==2.60.0); the Ray-placed GRPO tests need a local cluster"
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.stitch_testing import cli, copy_prepared, kill_after_checkpoint, write_recipe
 
 from stitch.config.recipe import load_recipe
 from stitch.host.host import get_host
 from stitch.stages.loop import run_stage
+from tests.stitch_testing import cli, copy_prepared, kill_after_checkpoint, write_recipe
 
 # hot sampling over groups of 4: some group has mixed rewards, so GRPO's first update is not zero
 GRPO_MOVING = {"stages__grpo__prompts_per_step": 4, "stages__grpo__group_size": 4, "stages__grpo__temperature": 1.5,

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.stitch_testing import write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.host.host import get_host, load_plugins
@@ -19,6 +18,7 @@ from stitch.model.scatter import PlaceholderCountError
 from stitch.stages.dpo import branch_sample
 from stitch.stages.grpo import group_advantages
 from stitch.stages.loop import checked_options, run_stage
+from tests.stitch_testing import write_recipe
 
 
 def _clone(sft_run: Path, dst: Path) -> Path:

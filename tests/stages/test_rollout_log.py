@@ -9,8 +9,6 @@ import logging
 import shutil
 from pathlib import Path
 
-from tests.stitch_testing import write_recipe
-
 from stitch.config.recipe import load_recipe
 from stitch.host.host import get_host
 from stitch.plugins.specs import TaskSpec
@@ -24,6 +22,7 @@ from stitch.stages.rollout_log import (
     flat_groups,
     hit_length_cap,
 )
+from tests.stitch_testing import write_recipe
 
 COLUMNS = {"step", "prompt_id", "group", "completion", "tokens", "rewards", "advantage", "hit_max_new_tokens"}
 

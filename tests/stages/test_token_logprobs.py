@@ -12,12 +12,12 @@ import dataclasses
 
 import pytest
 import torch
-from tests.kernels.test_fast_paths import build, samples
 
 from stitch.data.packing import collate_packs
 from stitch.kernels import cross_entropy
 from stitch.rollout.engines import mask_suppressed
 from stitch.stages import logprobs as logprobs_module
+from tests.kernels.test_fast_paths import build, samples
 
 SUPPRESS = (0, 7, 11)
 TEMPERATURE = 0.7

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.stitch_testing import cli, copy_prepared, kill_after_checkpoint, write_recipe
 
 from stitch.config.options import LoraOptions
 from stitch.config.recipe import load_recipe
 from stitch.data.packing import PackedStream, collate_packs
 from stitch.host.host import get_host
 from stitch.stages.loop import audit_gradients, run_stage
+from tests.stitch_testing import cli, copy_prepared, kill_after_checkpoint, write_recipe
 
 
 def _losses(run: Path, stage: str) -> list[float]:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.stitch_testing import BASE, write_recipe
 
 from stitch.config.recipe import RecipeError, load_recipe
 from stitch.host.host import get_host
@@ -21,6 +20,7 @@ from stitch.plugins.specs import TaskRow
 from stitch.stages.loop import run_stage
 from stitch.tasks import check_task, majority_baseline, resolve_task, scorer_name
 from stitch.tasks.generic import contains_answer, exact_match, normalise_answer
+from tests.stitch_testing import BASE, write_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 # a user reward without a rejected column leaves DPO without pairs (refused at load): these recipes drop DPO
