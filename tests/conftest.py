@@ -17,10 +17,15 @@ GPU_WORDS = ("CUDA", "GPU", "gpu", "nvjpeg")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark ``gpu`` every test that a CUDA skip condition guards (its reason names CUDA, a GPU or nvjpeg), so that
-    ``pytest -m gpu`` on a GPU machine runs exactly the tests a CPU run skips for want of one."""
+    ``pytest -m gpu`` on a GPU machine runs exactly the tests a CPU run skips for want of one. Under pytest-xdist,
+    the modules holding a ``slow`` test go first (in collection order), so that none is left running alone at the
+    end while the other workers idle."""
     for item in items:
         if any(any(w in str(m.kwargs.get("reason", "")) for w in GPU_WORDS) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.gpu)
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        slow = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in slow)  # stable: each module's tests keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,11 +7,13 @@ import dataclasses
 import io
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.common import log
 from stitch.api import ModelSource, hookimpl, load_plugins
 
 # A Qwen3-4B-shaped dense LM (attention only, so it packs on every backend): the shape of the SFT/GRPO figures.
@@ -197,7 +199,11 @@ def prepare(recipe_path: Path, run_dir: Path) -> Any:
 
     recipe = load_recipe(str(recipe_path), _HOST)
     binding = ModelBinding.for_recipe(recipe, _HOST, device="cpu")
-    return prepare_data(recipe, binding, run_dir / "data", device=device(), progress=False)
+    t0 = time.perf_counter()  # each phase's wall time in the log: a call cut off by its limit shows where it was
+    log(f"stitch prepare {recipe_path.stem} ...")
+    report = prepare_data(recipe, binding, run_dir / "data", device=device(), progress=False)
+    log(f"stitch prepare {recipe_path.stem}: {time.perf_counter() - t0:.1f} s")
+    return report
 
 
 def train(recipe_path: Path, stage: str, run_dir: Path) -> list[dict[str, Any]]:
@@ -205,7 +211,10 @@ def train(recipe_path: Path, stage: str, run_dir: Path) -> list[dict[str, Any]]:
     from stitch.config.recipe import load_recipe
     from stitch.stages.loop import run_stage
 
+    t0 = time.perf_counter()
+    log(f"stitch train {stage} ...")
     summary = run_stage(load_recipe(str(recipe_path), _HOST), stage, run_dir, registry=_HOST, progress=False)
+    log(f"stitch train {stage}: {time.perf_counter() - t0:.1f} s")
     lines = Path(summary["metrics"]).read_text().splitlines()
     return [r for r in map(json.loads, lines) if not r.get("final")]
 

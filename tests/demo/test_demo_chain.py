@@ -17,6 +17,8 @@ import pytest
 
 from stitch.host.host import get_host
 
+pytestmark = pytest.mark.slow  # one `stitch run` of a few minutes backs the module
+
 MAJORITY = 1 / 8  # counts 1..8, each exactly 50 times in the 400 held-out rows
 EVAL_ROWS = 400
 # Measured from empty caches on the 2-core machine (3 seeds, README): SFT 0.8675-0.8725 on 400 held-out rows (its
