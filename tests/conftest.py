@@ -15,6 +15,14 @@ from stitch.host.host import get_host  # noqa: E402
 GPU_WORDS = ("CUDA", "GPU", "gpu", "nvjpeg")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``pytest -n auto --dist loadscope`` (README), modules go to the workers in collection order, which
+    ``pytest_collection_modifyitems`` starts with the slow modules, not by test count (xdist's default): the longest
+    module, the video acceptance test, holds one test."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark ``gpu`` every test that a CUDA skip condition guards (its reason names CUDA, a GPU or nvjpeg), so that
     ``pytest -m gpu`` on a GPU machine runs exactly the tests a CPU run skips for want of one. Under pytest-xdist,
