@@ -8,6 +8,8 @@ import io
 import json
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +193,15 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@contextmanager
+def logged_phase(what: str) -> Iterator[None]:
+    """Log a product phase's start and wall time: a GPU call cut off by its limit shows which phase it was in."""
+    t0 = time.perf_counter()
+    log(f"{what} ...")
+    yield
+    log(f"{what}: {time.perf_counter() - t0:.1f} s")
+
+
 def prepare(recipe_path: Path, run_dir: Path) -> Any:
     """`stitch prepare` in this process: the recipe's rows encoded once into run_dir/data."""
     from stitch.config.recipe import load_recipe
@@ -199,11 +210,8 @@ def prepare(recipe_path: Path, run_dir: Path) -> Any:
 
     recipe = load_recipe(str(recipe_path), _HOST)
     binding = ModelBinding.for_recipe(recipe, _HOST, device="cpu")
-    t0 = time.perf_counter()  # each phase's wall time in the log: a call cut off by its limit shows where it was
-    log(f"stitch prepare {recipe_path.stem} ...")
-    report = prepare_data(recipe, binding, run_dir / "data", device=device(), progress=False)
-    log(f"stitch prepare {recipe_path.stem}: {time.perf_counter() - t0:.1f} s")
-    return report
+    with logged_phase(f"stitch prepare {recipe_path.stem}"):
+        return prepare_data(recipe, binding, run_dir / "data", device=device(), progress=False)
 
 
 def train(recipe_path: Path, stage: str, run_dir: Path) -> list[dict[str, Any]]:
@@ -211,10 +219,8 @@ def train(recipe_path: Path, stage: str, run_dir: Path) -> list[dict[str, Any]]:
     from stitch.config.recipe import load_recipe
     from stitch.stages.loop import run_stage
 
-    t0 = time.perf_counter()
-    log(f"stitch train {stage} ...")
-    summary = run_stage(load_recipe(str(recipe_path), _HOST), stage, run_dir, registry=_HOST, progress=False)
-    log(f"stitch train {stage}: {time.perf_counter() - t0:.1f} s")
+    with logged_phase(f"stitch train {stage}"):
+        summary = run_stage(load_recipe(str(recipe_path), _HOST), stage, run_dir, registry=_HOST, progress=False)
     lines = Path(summary["metrics"]).read_text().splitlines()
     return [r for r in map(json.loads, lines) if not r.get("final")]
 
