@@ -147,6 +147,17 @@ def _round(value: float | None) -> int | None:
     return None if value is None else round(value)
 
 
+def sft_flops(active: int, trainable: dict[str, int]) -> dict[str, int]:
+    """Training FLOPs per token of an SFT run whose stage trained ``trainable`` (its summary's parameters by group)
+    on an LM of ``active`` matmul parameters a token. Adapters and the projector are work beside the frozen LM; a
+    full fine-tune trains the LM's weights themselves (its "lm" group, those plus the embedding table), so none are
+    frozen and they are not counted twice."""
+    extra = trainable.get("projector", 0) + trainable.get("adapter", 0)
+    if trainable.get("lm", 0):
+        return flops_per_token(0, active + extra)
+    return flops_per_token(active, extra)
+
+
 def one_model(name: str, args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     from stitch.model.snapshots import write_model_snapshot
 
@@ -203,7 +214,7 @@ def one_model(name: str, args: argparse.Namespace, save: Callable[[dict[str, Any
     summary = json.loads((run_dir / "sft" / "summary.json").read_text())
     trainable = sum(summary["trainable_parameters"].values())
     params = active_params(snapshot)
-    flops = flops_per_token(params["active"], trainable)
+    flops = sft_flops(params["active"], summary["trainable_parameters"])
     stitch_tps = harness.median_after(sft_records, "tokens_per_s", args.warmup)
     sft = {"stitch_tokens_per_s": stitch_tps, "stitch_stage_tokens_per_s": summary.get("tokens_per_s"),
            "stitch_stage_steady_tokens_per_s": summary.get("steady_tokens_per_s"),

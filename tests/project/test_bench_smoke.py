@@ -95,6 +95,18 @@ def test_the_models_suite_keeps_the_models_an_earlier_call_measured_at_the_same_
     assert earlier_models(tmp_path / "absent.json", tiny=False) == {}
 
 
+def test_a_full_fine_tune_counts_the_lm_weights_once_as_trained_and_lora_counts_them_frozen():
+    """The models suite's MFU: under LoRA the LM's matmuls are frozen (4 FLOPs a weight) beside the trained adapters
+    and projector (6); under a full fine-tune the same matmuls are the trained ones (6), not frozen plus trained."""
+    from benchmarks.suites.models import sft_flops
+
+    active = 3_000
+    lora = sft_flops(active, {"projector": 50, "adapter": 20, "lm": 0})
+    assert lora == {"6n": 6 * 3_070, "lora": 4 * 3_000 + 6 * 70}
+    full = sft_flops(active, {"projector": 50, "adapter": 0, "lm": 3_400})  # the lm group holds the embeddings too
+    assert full == {"6n": 6 * 3_050, "lora": 6 * 3_050}
+
+
 def test_a_models_call_cut_off_mid_model_leaves_the_figures_it_measured_in_models_json(tmp_path, monkeypatch):
     """A GPU call ends at its time limit: the stage figures a model measured before the cut are on disk already
     (written after each phase), and a model that then failed keeps them beside its error, marked cut off."""
