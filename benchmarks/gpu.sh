@@ -4,7 +4,7 @@
 # then run benchmarks/bench.py for each SUITE into $OUT (default /tmp/out) and copy RESULTS.md beside the JSONs.
 #   STITCH_BENCH_COMMIT=<git rev-parse HEAD here> bash benchmarks/gpu.sh sft grpo   # device call, carry [".whl"]
 #   STITCH_BENCH_COMMIT=... bash benchmarks/gpu.sh prepare -- --images 16384          # bench.py options after --
-#   bash benchmarks/gpu.sh tests [-- tests/rollout]                    # `pytest -m gpu`: the GPU tests, JUnit XML
+#   bash benchmarks/gpu.sh tests [-- tests/rollout]   # `pytest -m gpu`, one file at a time (TEST_TIMEOUT s each), JUnit XML
 # The device copy's git metadata is stale, so the JSONs take their commit from STITCH_BENCH_COMMIT (passed through).
 # Setup is idempotent: a warm machine skips the installs. Each suite gets SUITE_TIMEOUT seconds (default 570).
 set -uo pipefail
@@ -48,14 +48,33 @@ export TRITON_CACHE_AUTOTUNING=1
 mkdir -p ~/.triton/cache
 [ -f .whl/triton_autotune.tar.xz ] && tar xJf .whl/triton_autotune.tar.xz -C ~/.triton/cache
 python3 -c "import importlib.util as u, torch, triton; print('triton', triton.__version__, 'fla', bool(u.find_spec('fla')), torch.cuda.get_device_name())"
+gpu_tests() {  # the GPU tests (`-m gpu`, tests/conftest.py), one file at a time: a slow file (fla autotuning from
+  # cold) is cut off at TEST_TIMEOUT seconds and the others still run; each file's JUnit XML and log go to $OUT/tests/
+  mkdir -p "$OUT/tests"
+  local files file name status=0
+  if ! python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider "${@:-tests}" > "$OUT/tests/collect.log" 2>&1; then
+    tail -20 "$OUT/tests/collect.log"; return 1  # an import error, or no GPU test under the paths given
+  fi
+  files=$(grep "::" "$OUT/tests/collect.log" | cut -d: -f1 | sort -u)
+  for file in $files; do
+    name=$(basename "$file" .py)
+    timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -v -rs --tb=short -p no:cacheprovider \
+      --junitxml="$OUT/tests/$name.xml" "$file" > "$OUT/tests/$name.log" 2>&1
+    local code=$?
+    [ $code -eq 124 ] && echo "$file: cut off after ${TEST_TIMEOUT:-150} s"
+    grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests/$name.log" | sed 's/ \[ *[0-9]*%\]$//'
+    [ $code -eq 0 ] || status=1
+  done
+  return $status
+}
 rc=0
 for suite in "${suites[@]}"; do
   echo "== $suite"
-  if [ "$suite" = tests ]; then  # the GPU tests (`-m gpu`, tests/conftest.py) as JUnit XML; paths after -- narrow them
-    run=(python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" "${@:-tests}")
-  else
-    run=(python3 benchmarks/bench.py "$suite" --shape "${SHAPE:-dense4b}" --out "$OUT" "$@")
+  if [ "$suite" = tests ]; then
+    gpu_tests "$@" || rc=1
+    continue
   fi
+  run=(python3 benchmarks/bench.py "$suite" --shape "${SHAPE:-dense4b}" --out "$OUT" "$@")
   timeout "${SUITE_TIMEOUT:-570}" "${run[@]}" 2>&1 | tee "$OUT/$suite.log" | grep -v "it/s]$" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 done

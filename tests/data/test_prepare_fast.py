@@ -257,10 +257,10 @@ def test_on_a_gpu_a_batch_copied_in_chunks_on_a_side_stream_gives_the_one_copy_f
     pixels = torch.randint(0, 256, (1100, 3, 224, 224), dtype=torch.uint8, generator=generator).pin_memory()
     encoder.pipeline_chunk = None  # one copy, then the tower
     whole = encoder.encode(pixels).float()
-    assert encoder._copy_stream is None
+    assert encoder._copied_ahead._stream is None
     encoder.pipeline_chunk = 512  # chunks of 512, 512 and 76, each copy on the side stream
     chunked = encoder.encode(pixels).float()
-    assert encoder._copy_stream is not None and chunked.shape == whole.shape == (1100, 49, 768)
+    assert encoder._copied_ahead._stream is not None and chunked.shape == whole.shape == (1100, 49, 768)
 
     def relative(a, b):
         return ((a - b).norm(dim=(1, 2)) / b.norm(dim=(1, 2))).max().item()
