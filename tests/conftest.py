@@ -23,6 +23,18 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto``: xdist's count (a worker per core, or ``PYTEST_XDIST_AUTO_NUM_WORKERS``), capped by the memory
+    free for workers unless that variable names the count."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # the caller's own count: xdist's hook reads it
+    from xdist.plugin import pytest_xdist_auto_num_workers as per_core
+
+    from tests.stitch_testing import auto_workers, available_gib
+
+    return auto_workers(per_core(config), available_gib())
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark ``gpu`` every test that a CUDA skip condition guards (its reason names CUDA, a GPU or nvjpeg), so that
     ``pytest -m gpu`` on a GPU machine runs exactly the tests a CPU run skips for want of one. Under pytest-xdist,

@@ -44,6 +44,28 @@ BASE: dict[str, Any] = {
 }
 
 
+# a test worker's peak resident memory with the `stitch` subprocess it may start (a CI run's peak); a machine whose
+# workers need more or less sets STITCH_TEST_WORKER_GIB
+WORKER_GIB = float(os.environ.get("STITCH_TEST_WORKER_GIB", "2.5"))
+
+
+def available_gib() -> float:
+    """Memory a new process can take without swapping: MemAvailable on Linux, else all physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def auto_workers(cores: int, memory_gib: float, worker_gib: float = WORKER_GIB) -> int:
+    """`pytest -n auto`'s worker count: one a core, but no more than the memory holds at ``worker_gib`` each, and
+    at least one (a many-core machine with little memory otherwise swaps or kills workers)."""
+    return max(1, min(cores, int(memory_gib // worker_gib)))
+
+
 def write_recipe(path: Path, **overrides: Any) -> Path:
     """BASE with dotted-path overrides (``stages__sft__steps=6``), written as YAML."""
     recipe = copy.deepcopy(BASE)
