@@ -44,9 +44,9 @@ BASE: dict[str, Any] = {
 }
 
 
-# a test worker's peak resident memory with the `stitch` subprocess it may start (a CI run's peak); a machine whose
+# a test worker's peak resident memory with the `stitch` subprocess it may start (5.6 GiB for two on a CI run); a machine whose
 # workers need more or less sets STITCH_TEST_WORKER_GIB
-WORKER_GIB = float(os.environ.get("STITCH_TEST_WORKER_GIB", "2.5"))
+WORKER_GIB = float(os.environ.get("STITCH_TEST_WORKER_GIB", "3"))
 
 
 def available_gib() -> float:
