@@ -44,8 +44,8 @@ BASE: dict[str, Any] = {
 }
 
 
-# a test worker's peak resident memory with the `stitch` subprocess it may start (5.6 GiB for two on a CI run); a machine whose
-# workers need more or less sets STITCH_TEST_WORKER_GIB
+# a test worker's peak resident memory with the `stitch` subprocess it may start (two peaked at 5.6 GiB together on
+# the CI machine); a machine whose workers need more or less sets STITCH_TEST_WORKER_GIB
 WORKER_GIB = float(os.environ.get("STITCH_TEST_WORKER_GIB", "3"))
 
 
