@@ -138,9 +138,11 @@ def allocated_gib() -> float | None:
 
 
 def memory_estimate(summary: dict[str, Any]) -> dict[str, Any]:
-    """The stage's own estimate of its training state (weights, gradients, AdamW moments), to set beside its peak."""
-    est = summary.get("memory_estimate") or {}
-    return {"memory_estimate_gib": round(est["bytes"] / 2**30, 2), "memory_estimate": est["arithmetic"]} if est else {}
+    """The stage's own estimate of its training state (weights, gradients, AdamW moments) and that state as the
+    first optimizer step held it, to set beside its peak (the rest of which is activations)."""
+    est, held = summary.get("memory_estimate") or {}, summary.get("memory_held_bytes")
+    return {**({"memory_estimate_gib": round(est["bytes"] / 2**30, 2), "memory_estimate": est["arithmetic"]}
+               if est else {}), **({"memory_held_gib": round(held / 2**30, 2)} if held is not None else {})}
 
 
 def _round(value: float | None) -> int | None:

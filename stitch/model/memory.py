@@ -94,6 +94,29 @@ def estimate(parts: Iterable[ParameterPart]) -> MemoryEstimate:
     return MemoryEstimate(tuple(t for t in terms if t.elements))
 
 
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The training state as allocated, to set beside ``estimate``: the bytes of every distinct storage among the
+    model's parameters, their gradients and the optimizer's state tensors (a rank's shards under FSDP2). AdamW's
+    per-parameter step counters (0-d) are left out, as the estimate leaves them out."""
+    storages: dict[tuple[str, int], int] = {}
+
+    def add(tensor: object) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2's DTensor: this rank's shard
+        if local.device.type != "meta":
+            storage = local.untyped_storage()
+            storages[(str(local.device), storage.data_ptr())] = storage.nbytes()
+
+    for param in model.parameters():
+        add(param)
+        add(param.grad)
+    for state in optimizer.state.values():
+        for value in state.values():
+            add(value)
+    return sum(storages.values())
+
+
 def model_parts(named: Iterable[tuple[str, nn.Parameter]]) -> list[ParameterPart]:
     """The parts of a built stitched model's parameters (``StitchedModel.named_parameters()``), each counted once,
     grouped by component (``projector.``, LoRA, the rest of ``lm.``), dtype and whether it trains. Half-precision

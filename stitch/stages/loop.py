@@ -35,6 +35,7 @@ from stitch.model.memory import (
     device_memory,
     estimate,
     gib,
+    held_bytes,
     model_parts,
 )
 from stitch.model.provenance import check_warm_start
@@ -182,6 +183,7 @@ class StageContext:
     step: int = 0
     grad_norm: float | None = None
     memory: MemoryEstimate | None = None  # the training state's estimate (check_memory)
+    memory_held: int | None = None  # the training state as allocated at the first optimizer step (held_bytes)
     progress: bool = True
     t_start: float = 0.0
     trackers: TrackerSet | None = None  # the recipe's report_to, on rank 0
@@ -211,6 +213,11 @@ class StageContext:
         clip = self.opts.grad_clip if self.opts.grad_clip is not None else float("inf")
         norm = self.dp.clip_grad_norm(params, clip)
         self.optimizer.step()
+        if self.memory_held is None:  # gradients and moments exist now, until zero_grad frees the gradients
+            self.memory_held = held_bytes(self.model, self.optimizer)
+            if self.dp.is_main and self.progress and self.memory is not None:
+                print(f"{self.name}: training state allocated {gib(self.memory_held)} (estimated "
+                      f"{gib(self.memory.total // (self.dp.world_size if self.dp.active else 1))})", file=sys.stderr)
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_norm = float(norm)  # read once the step is queued: reading it earlier idles the GPU mid-step
         return self.grad_norm
@@ -490,6 +497,7 @@ def summarize(ctx: StageContext) -> dict[str, Any]:
         "loss_last": losses[-1] if losses else None,
         "trainable_parameters": trainable_by_group(ctx.model),
         "memory_estimate": {"bytes": ctx.memory.total, "arithmetic": ctx.memory.arithmetic()} if ctx.memory else None,
+        "memory_held_bytes": ctx.memory_held,
         "peak_memory_bytes": peak_memory_bytes(),
         "checkpoint": str(latest_step_dir(ctx.checkpoints)),
         "metrics": str(metrics.path),

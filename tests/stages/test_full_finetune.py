@@ -72,6 +72,8 @@ def test_full_sft_trains_and_checkpoints_every_lm_weight_and_no_adapter(full_sft
     # fp32 throughout: weights, gradients and AdamW's two moments, 4 bytes each, for the LM and the projector
     assert summary["memory_estimate"]["bytes"] == 16 * (lm_elements + projector)
     assert f"{lm_elements:,} x 8 B" in summary["memory_estimate"]["arithmetic"]
+    # and the state the first optimizer step held is what the estimate said, byte for byte
+    assert summary["memory_held_bytes"] == summary["memory_estimate"]["bytes"]
 
 
 def test_full_sft_killed_midway_resumes_to_identical_metrics_and_lm_weights(full_sft, prepared, tmp_path):

@@ -136,6 +136,8 @@ def test_alignment_and_sft_run_on_each_tiny_architecture(prepared, tmp_path, mod
     config = json.loads((step / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == sorted(get_host().get("models", model).lora_target_modules)
     assert all(torch.isfinite(torch.tensor(_losses(tmp_path / "run", "sft"))))
+    for summary in (align, sft):  # the frozen LM, the trained projector and adapters: held as estimated
+        assert summary["memory_held_bytes"] == summary["memory_estimate"]["bytes"]
 
 
 @pytest.mark.parametrize("field, changed", [("pack", {"pack": False}), ("token_budget", {"token_budget": 256})])
