@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-lm", choices=("lora", "full"), default="lora", help="full: SFT trains every LM weight "
                    "(recorded as '<model> (full fine-tune)' with the stage's memory estimate beside its peak; no "
                    "GRPO, which refuses a full fine-tune, and no stock run)")
+    p.add_argument("--grpo-micro", type=int, default=None, help="GRPO sequences a forward/backward (default 8)")
     p.add_argument("--keep", action="store_true", help="keep each snapshot after its run")
     p.add_argument("--profile", action="store_true", help="two more SFT steps and one more GRPO step under the "
                    "stages' profile_steps (not timed); their top operators go into the JSON")
@@ -164,7 +165,7 @@ def one_model(name: str, args: argparse.Namespace, save: Callable[[dict[str, Any
     from stitch.model.snapshots import write_model_snapshot
 
     tiny = args.shape == "tiny"
-    settings = TINY if tiny else SETTINGS[name]
+    settings = dataclasses.replace(TINY if tiny else SETTINGS[name], **({"grpo_micro": args.grpo_micro} if args.grpo_micro else {}))
     host = harness.install_host()
     snapshot = (args.snapshots or args.work / "snapshots") / (f"{name}-narrow" if tiny else name)
     if not (snapshot / "config.json").exists():
