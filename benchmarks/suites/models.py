@@ -141,9 +141,9 @@ def allocated_gib() -> float | None:
 def memory_estimate(summary: dict[str, Any]) -> dict[str, Any]:
     """The stage's own estimate of its training state (weights, gradients, AdamW moments) and that state as the
     first optimizer step held it, to set beside its peak (the rest of which is activations)."""
-    est, held = summary.get("memory_estimate") or {}, summary.get("memory_held_bytes")
-    return {**({"memory_estimate_gib": round(est["bytes"] / 2**30, 2), "memory_estimate": est["arithmetic"]}
-               if est else {}), **({"memory_held_gib": round(held / 2**30, 2)} if held is not None else {})}
+    est, held = summary.get("memory_estimate"), summary.get("memory_held_bytes")
+    out = {"memory_estimate_gib": round(est["bytes"] / 2**30, 2), "memory_estimate": est["arithmetic"]} if est else {}
+    return out if held is None else {**out, "memory_held_gib": round(held / 2**30, 2)}
 
 
 def _round(value: float | None) -> int | None:
@@ -165,7 +165,8 @@ def one_model(name: str, args: argparse.Namespace, save: Callable[[dict[str, Any
     from stitch.model.snapshots import write_model_snapshot
 
     tiny = args.shape == "tiny"
-    settings = dataclasses.replace(TINY if tiny else SETTINGS[name], **({"grpo_micro": args.grpo_micro} if args.grpo_micro else {}))
+    settings = TINY if tiny else SETTINGS[name]
+    settings = dataclasses.replace(settings, grpo_micro=args.grpo_micro or settings.grpo_micro)
     host = harness.install_host()
     snapshot = (args.snapshots or args.work / "snapshots") / (f"{name}-narrow" if tiny else name)
     if not (snapshot / "config.json").exists():

@@ -198,6 +198,11 @@ class StageContext:
         return self.session.binding
 
     @property
+    def state_ranks(self) -> int:
+        """The ranks the training state is split over: FSDP2 shards weights, gradients and moments alike."""
+        return self.dp.world_size if self.dp.active else 1
+
+    @property
     def checkpoints(self) -> Path:
         return self.layout.checkpoints(self.name)
 
@@ -217,7 +222,7 @@ class StageContext:
             self.memory_held = held_bytes(self.model, self.optimizer)
             if self.dp.is_main and self.progress and self.memory is not None:
                 print(f"{self.name}: training state allocated {gib(self.memory_held)} (estimated "
-                      f"{gib(self.memory.total // (self.dp.world_size if self.dp.active else 1))})", file=sys.stderr)
+                      f"{gib(self.memory.total // self.state_ranks)})", file=sys.stderr)
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_norm = float(norm)  # read once the step is queued: reading it earlier idles the GPU mid-step
         return self.grad_norm
@@ -343,7 +348,7 @@ def check_memory(ctx: StageContext, model: Any) -> MemoryEstimate:
     when the stage shows progress; refused with its arithmetic when it exceeds the device memory the stage declares
     (``device_memory_gib``) or, without one, the device's own."""
     est = estimate(model_parts(model.named_parameters()))
-    world = ctx.dp.world_size if ctx.dp.active else 1  # FSDP2 shards weights, gradients and moments alike
+    world = ctx.state_ranks
     need = est.total // world
     declared = ctx.opts.device_memory_gib
     field = f"stages.{ctx.name}.device_memory_gib"

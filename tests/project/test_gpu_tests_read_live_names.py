@@ -65,14 +65,15 @@ def gpu_tests(tree: ast.Module) -> Iterator[ast.FunctionDef]:
                 yield node
 
 
-def stale_private_names(path: Path, live: set[str]) -> list[str]:
-    """``file:line test reads ._name`` for each private attribute a GPU-only test of ``path`` reads that no module of
-    the code has."""
-    tree = ast.parse(path.read_text(), str(path))
-    label = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
-    return [f"{label}:{node.lineno} {test.name} reads .{node.attr}" for test in gpu_tests(tree)
-            for node in ast.walk(test)
+def stale_private_names(tests: list[ast.FunctionDef], label: str, live: set[str]) -> list[str]:
+    """``label:line test reads ._name`` for each private attribute one of ``tests`` reads that no module of the code
+    has."""
+    return [f"{label}:{node.lineno} {test.name} reads .{node.attr}" for test in tests for node in ast.walk(test)
             if isinstance(node, ast.Attribute) and PRIVATE.match(node.attr) and node.attr not in live]
+
+
+def gpu_tests_of(path: Path) -> list[ast.FunctionDef]:
+    return list(gpu_tests(ast.parse(path.read_text(), str(path))))
 
 
 def live_names() -> set[str]:
@@ -82,10 +83,11 @@ def live_names() -> set[str]:
 
 def test_every_private_name_a_gpu_only_test_reads_is_still_in_the_code():
     live = live_names()
-    test_files = sorted((REPO / "tests").rglob("test_*.py"))
-    checked = sum(1 for f in test_files for _ in gpu_tests(ast.parse(f.read_text(), str(f))))
+    found = {path: gpu_tests_of(path) for path in sorted((REPO / "tests").rglob("test_*.py"))}
+    checked = sum(map(len, found.values()))
     assert checked >= 25  # the GPU test functions are found (28 at the time of writing): the check is not vacuous
-    stale = [line for f in test_files for line in stale_private_names(f, live)]
+    stale = [line for path, tests in found.items()
+             for line in stale_private_names(tests, str(path.relative_to(REPO)), live)]
     assert not stale, "GPU-only tests read names the code no longer has:\n" + "\n".join(stale)
 
 
@@ -95,6 +97,5 @@ def test_a_renamed_private_attribute_in_a_gpu_only_test_is_caught(tmp_path):
         "import pytest\nimport torch\n\n\n"
         '@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")\n'
         "def test_side_stream(encoder):\n    assert encoder._copy_stream is None\n    assert encoder._copied_ahead\n")
-    stale = [line.split(" reads ")[-1] for line in stale_private_names(planted, live_names())]
+    stale = [line.split(" reads ")[-1] for line in stale_private_names(gpu_tests_of(planted), planted.name, live_names())]
     assert stale == ["._copy_stream"]
-
