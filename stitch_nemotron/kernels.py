@@ -10,7 +10,9 @@ gated linear attention with one scalar decay per head::
 
 so ``fla.ops.simple_gla.chunk_simple_gla`` with q = C, k = B, v = dt * x, g = dt * A, scale 1 computes the scan,
 and ``fla.modules.causal_conv1d`` the depthwise convolution. Both take ``cu_seqlens``, so packed rows keep each
-sample's state and conv window to itself, which the stock PyTorch path cannot do.
+sample's state and conv window to itself, which the stock PyTorch path cannot do. The gated group RMSNorm after the
+scan, ``norm(y * silu(gate))``, is fla's fused kernel (``rmsnorm_fn``, one launch each way): transformers' version
+runs about ten fp32 elementwise kernels forward over a [tokens, heads x head_dim] tensor and more backward.
 
 The same math runs on a PyTorch ``reference`` backend (per segment, quadratic in its length); the tests check it
 against the stock mixer and against unpacked samples, and the GPU benchmark checks the fla backend against it.
@@ -66,9 +68,25 @@ def fla_scan(q, k, v, g, cu_seqlens):
     return o
 
 
-BACKENDS: dict[str, tuple[Callable, Callable]] = {
-    REFERENCE: (reference_conv, reference_scan),
-    FLA: (fla_conv, fla_scan),
+def reference_norm(norm, y, gate):
+    return norm(y, gate)
+
+
+def fla_norm(norm, y, gate):
+    """transformers' gated group RMSNorm ``norm(y, gate)`` (gate before the norm, fp32 math, output in ``y``'s
+    dtype) as fla's fused kernel; a norm without the fields it reads keeps its own forward."""
+    eps, group = getattr(norm, "variance_epsilon", None), getattr(norm, "group_size", None)
+    if eps is None or group is None or getattr(norm, "bias", None) is not None:
+        return norm(y, gate)
+    from fla.modules.norm.layernorm_gated import rmsnorm_fn  # optional: fla ([kernels] extra)
+
+    return rmsnorm_fn(y, norm.weight, None, z=gate, eps=eps, group_size=group, norm_before_gate=False)
+
+
+# -- backends: conv, scan and the gated norm (norm module, y [.., T, D], gate [.., T, D]) -> [.., T, D]
+BACKENDS: dict[str, tuple[Callable, Callable, Callable]] = {
+    REFERENCE: (reference_conv, reference_scan, reference_norm),
+    FLA: (fla_conv, fla_scan, fla_norm),
 }
 
 
@@ -76,7 +94,7 @@ def mamba2_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torc
                    cu_seqlens: torch.Tensor | None = None, backend: str = FLA) -> torch.Tensor:
     """A NemotronH Mamba-2 mixer's no-cache forward; ``cu_seqlens`` keeps the samples of one packed row apart
     (packed batches arrive as one row: ``stitch.kernels.varlen.flatten_packed_rows``)."""
-    conv, scan = BACKENDS[backend]
+    conv, scan, norm = BACKENDS[backend]
     batch, seqlen, _ = hidden_states.shape
     if cu_seqlens is not None and batch != 1:
         raise ValueError(f"cu_seqlens needs one flattened row, got a batch of {batch} rows")
@@ -98,7 +116,7 @@ def mamba2_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torc
     c = c.reshape(batch, seqlen, groups, state).repeat_interleave(heads // groups, dim=2)
     v = (x.float() * dt[..., None]).to(x.dtype)
     y = scan(c, b, v, g, cu_seqlens).float() + mixer.D.float()[:, None] * x.float()
-    y = mixer.norm(y.reshape(batch, seqlen, -1), gate)
+    y = norm(mixer.norm, y.reshape(batch, seqlen, -1), gate)
     return mixer.out_proj(y.to(dtype))
 
 
