@@ -6,7 +6,12 @@ two (skipped without CUDA and flash-linear-attention; run on the GPU machine, se
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -198,6 +203,43 @@ def test_fla_backend_gives_the_reference_gradients_on_a_gpu():
     assert "norm.weight" in fast and set(fast) == set(ref)
     for name, g in fast.items():
         assert (g - ref[name]).abs().max() <= 5e-3 * ref[name].abs().max(), name
+
+
+# fla's fused gated norm, run by Triton's interpreter on CPU tensors, against transformers' norm of a NemotronH mixer
+# (in a subprocess: the interpreter is chosen when Triton imports, and fla imported here would change transformers'
+# rules for this process's other tests)
+FUSED_NORM_CHECK = """
+import json, torch
+from transformers import NemotronHConfig
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+from stitch_nemotron.kernels import fla_norm, reference_norm
+cfg = NemotronHConfig(hidden_size=48, mamba_num_heads=12, mamba_head_dim=8, n_groups=4, ssm_state_size=5)
+norm = NemotronHMamba2Mixer(cfg, 0).norm  # 96 channels in 4 groups of 24
+torch.manual_seed(0)
+with torch.no_grad():
+    norm.weight.copy_(torch.linspace(0.5, 1.5, 96))
+y, gate, dy = (torch.randn(2, 7, 96) for _ in range(3))
+def run(fn):
+    yi, gi, norm.weight.grad = y.clone().requires_grad_(True), gate.clone().requires_grad_(True), None
+    out = fn(norm, yi, gi)
+    out.backward(dy)
+    return [out.detach(), yi.grad, gi.grad, norm.weight.grad]
+print(json.dumps([[float((a - b).abs().max()), float(b.abs().max())] for a, b in zip(run(fla_norm), run(reference_norm))]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None,
+                    reason="flash-linear-attention is not installed (the check runs its kernel in Triton's interpreter)")
+def test_fla_fused_gated_norm_equals_transformers_norm_forward_and_backward():
+    """The arguments ``fla_norm`` hands fla's ``rmsnorm_fn`` (gate before the norm, the group size, eps, the weight)
+    give transformers' gated group RMSNorm: output and the gradients of input, gate and weight."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", FUSED_NORM_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for (diff, scale), name in zip(json.loads(done.stdout.strip().splitlines()[-1]),
+                                   ("output", "input grad", "gate grad", "weight grad"), strict=True):
+        assert diff <= 1e-5 * scale, (name, diff, scale)
 
 def test_the_loader_reports_the_sample_start_path_and_training_packs_exactly_then(monkeypatch):
     import stitch_nemotron.models as nemotron_models
