@@ -14,8 +14,10 @@ export STITCH_BENCH_COMMIT=${STITCH_BENCH_COMMIT:-}
 mkdir -p "$OUT" "$SITE"
 suites=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-for suite in "${suites[@]}"; do  # the committed figures go along: models.json keeps the models this call does not run
-  [ -f "benchmarks/results/$suite.json" ] && cp "benchmarks/results/$suite.json" "$OUT/"
+for suite in "${suites[@]}"; do  # the committed figures go along: models.json keeps the models this call does not run;
+  # a JSON an earlier gpu.sh of the same call wrote stays, so `gpu.sh models -- --models A; gpu.sh models -- --models
+  # B --train-lm full` fills one models.json (and each log gets both runs)
+  [ -f "$OUT/$suite.json" ] || [ ! -f "benchmarks/results/$suite.json" ] || cp "benchmarks/results/$suite.json" "$OUT/"
 done
 for carry in .whl .whl-data; do  # each carried folder once per machine (a warm machine keeps /tmp/site)
   [ -d "$carry" ] && [ ! -f "$SITE/.installed$carry" ] || continue
@@ -75,7 +77,7 @@ for suite in "${suites[@]}"; do
     continue
   fi
   run=(python3 benchmarks/bench.py "$suite" --shape "${SHAPE:-dense4b}" --out "$OUT" "$@")
-  timeout "${SUITE_TIMEOUT:-570}" "${run[@]}" 2>&1 | tee "$OUT/$suite.log" | grep -v "it/s]$" | tail -40
+  timeout "${SUITE_TIMEOUT:-570}" "${run[@]}" 2>&1 | tee -a "$OUT/$suite.log" | grep -v "it/s]$" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 done
 (cd ~/.triton/cache && find . -name '*.autotune.json' | tar cJf "$OUT/triton_autotune.tar.xz" -T -)
