@@ -51,7 +51,8 @@ mkdir -p ~/.triton/cache
 [ -f .whl/triton_autotune.tar.xz ] && tar xJf .whl/triton_autotune.tar.xz -C ~/.triton/cache
 python3 -c "import importlib.util as u, torch, triton; print('triton', triton.__version__, 'fla', bool(u.find_spec('fla')), torch.cuda.get_device_name())"
 gpu_tests() {  # the GPU tests (`-m gpu`, tests/conftest.py), one file at a time: a slow file (fla autotuning from
-  # cold) is cut off at TEST_TIMEOUT seconds and the others still run; each file's JUnit XML and log go to $OUT/tests/
+  # cold) is cut off at TEST_TIMEOUT seconds and the others still run; each file's JUnit XML and log go to
+  # $OUT/tests.tar.xz (one file: a device call brings back at most eight)
   mkdir -p "$OUT/tests"
   local files file name status=0
   if ! python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider "${@:-tests}" > "$OUT/tests/collect.log" 2>&1; then
@@ -67,6 +68,7 @@ gpu_tests() {  # the GPU tests (`-m gpu`, tests/conftest.py), one file at a time
     grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests/$name.log" | sed 's/ \[ *[0-9]*%\]$//'
     [ $code -eq 0 ] || status=1
   done
+  tar cJf "$OUT/tests.tar.xz" -C "$OUT" tests && rm -rf "$OUT/tests"
   return $status
 }
 rc=0
