@@ -165,13 +165,18 @@ def test_unknown_backend_is_refused_by_name():
         install_mamba2_kernels(tiny_model(), "triton")
 
 
+def gpu_mixer_and_packed_row(seed: int):
+    """The tiny model's first Mamba-2 mixer on the GPU, a random 300-token row seeded by ``seed`` and its sample
+    starts (one a single token long)."""
+    mixer = mixers(tiny_model(chunk=64).cuda())[0]
+    torch.manual_seed(seed)
+    row = torch.randn(1, 300, 48, device="cuda")
+    return mixer, row, torch.tensor([0, 40, 170, 171, 300], dtype=torch.int32, device="cuda")
+
+
 @pytest.mark.skipif(not varlen.varlen_kernels_ready(), reason="needs a CUDA device and flash-linear-attention")
 def test_fla_backend_matches_the_reference_on_a_gpu():
-    model = tiny_model(chunk=64).cuda()
-    mixer = mixers(model)[0]
-    torch.manual_seed(3)
-    row = torch.randn(1, 300, 48, device="cuda")
-    cu = torch.tensor([0, 40, 170, 171, 300], dtype=torch.int32, device="cuda")
+    mixer, row, cu = gpu_mixer_and_packed_row(3)
     with torch.no_grad():
         ref = mamba2_forward(mixer, row, None, cu, backend=REFERENCE)
         fast = mamba2_forward(mixer, row, None, cu, backend=FLA)
@@ -181,16 +186,12 @@ def test_fla_backend_matches_the_reference_on_a_gpu():
     assert (fast_pad - ref_pad).abs().max() < 2e-3 * ref_pad.abs().max()
 
 
-
 @pytest.mark.skipif(not varlen.varlen_kernels_ready(), reason="needs a CUDA device and flash-linear-attention")
 def test_fla_backend_gives_the_reference_gradients_on_a_gpu():
     """Backward through fla's conv, scan and fused gated norm against the reference backend: the input's gradient
     and every mixer weight's (the norm's weight included), on a packed row."""
-    model = tiny_model(chunk=64).cuda()
-    mixer = mixers(model)[0].requires_grad_(True)
-    torch.manual_seed(4)
-    row = torch.randn(1, 300, 48, device="cuda")
-    cu = torch.tensor([0, 40, 170, 171, 300], dtype=torch.int32, device="cuda")
+    mixer, row, cu = gpu_mixer_and_packed_row(4)
+    mixer.requires_grad_(True)
     dy = torch.randn(1, 300, 48, device="cuda")
 
     def grads(backend):
@@ -240,6 +241,7 @@ def test_fla_fused_gated_norm_equals_transformers_norm_forward_and_backward():
     for (diff, scale), name in zip(json.loads(done.stdout.strip().splitlines()[-1]),
                                    ("output", "input grad", "gate grad", "weight grad"), strict=True):
         assert diff <= 1e-5 * scale, (name, diff, scale)
+
 
 def test_the_loader_reports_the_sample_start_path_and_training_packs_exactly_then(monkeypatch):
     import stitch_nemotron.models as nemotron_models
