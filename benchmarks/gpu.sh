@@ -44,11 +44,25 @@ for pyproject in [pathlib.Path("pyproject.toml"), *sorted(pathlib.Path("plugins"
         f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for group, eps in groups.items()))
 PY
 export PYTHONPATH=$SITE:.
-# fla's Triton autotuning results from earlier calls, when carried (.whl/triton_autotune.tar.xz): a fresh machine
-# otherwise spends minutes tuning the same kernels again; this call's results come back in $OUT to merge into it
-export TRITON_CACHE_AUTOTUNING=1
-mkdir -p ~/.triton/cache
-[ -f .whl/triton_autotune.tar.xz ] && tar xJf .whl/triton_autotune.tar.xz -C ~/.triton/cache
+# Triton's cache from earlier calls, when carried (.whl/triton_cache.tar.xz): fla's autotuning results and the
+# compiled kernels (metadata JSON + cubin, no IR text), since a fresh machine otherwise spends minutes compiling and
+# tuning the same kernels. H100 and H200 share the sm_90 entries. A group file names its members by absolute path,
+# so the paths are pointed at this machine's cache; a missing member makes Triton compile that kernel again.
+# This call's cache (the carried entries plus its new ones) comes back as $OUT/triton_cache.tar.xz: copy it over
+# .whl's for the next call.
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .whl/triton_cache.tar.xz ]; then
+  tar xJf .whl/triton_cache.tar.xz -C "$TRITON_CACHE_DIR"
+  python3 - "$TRITON_CACHE_DIR" <<'PY'
+import json, pathlib, sys
+for group in pathlib.Path(sys.argv[1]).glob("*/__grp__*.json"):
+    data = json.loads(group.read_text())
+    data["child_paths"] = {name: str(group.parent / pathlib.Path(path).name)
+                           for name, path in data.get("child_paths", {}).items()}
+    group.write_text(json.dumps(data))
+PY
+fi
 python3 -c "import importlib.util as u, torch, triton; print('triton', triton.__version__, 'fla', bool(u.find_spec('fla')), torch.cuda.get_device_name())"
 gpu_tests() {  # the GPU tests (`-m gpu`, tests/conftest.py), one file at a time: a slow file (fla autotuning from
   # cold) is cut off at TEST_TIMEOUT seconds and the others still run; each file's JUnit XML and log go to
@@ -82,6 +96,14 @@ for suite in "${suites[@]}"; do
   timeout "${SUITE_TIMEOUT:-570}" "${run[@]}" 2>&1 | tee -a "$OUT/$suite.log" | grep -v "it/s]$" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 done
-(cd ~/.triton/cache && find . -name '*.autotune.json' | tar cJf "$OUT/triton_autotune.tar.xz" -T -)
+triton_cache() {  # $OUT/triton_cache.tar.xz: the cache files whose paths match $1 (find -regex); IR text,
+  # sources and locks stay behind
+  (cd "$TRITON_CACHE_DIR" && find . -type f -regex "$1" | XZ_OPT=-T0 tar cJf "$OUT/triton_cache.tar.xz" -T -)
+}
+triton_cache '.*\.\(json\|cubin\|so\)'
+if [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -gt $((15 * 2**20)) ]; then  # a file comes back up to 16 MiB
+  echo "triton_cache.tar.xz is over 15 MiB with the kernels: it keeps the autotuning results only"
+  triton_cache '.*\.autotune\.json'
+fi
 ls -la "$OUT"
 exit $rc
