@@ -13,7 +13,7 @@ from stitch.host.host import get_host
 from stitch.runs.atomic import write_text_atomic
 from stitch.runs.progress import progress
 
-_CHECKPOINT_HELP = "A checkpoints root (LATEST is used), a step dir, or a PEFT dir."
+_CHECKPOINTS = "a checkpoints root (LATEST is used), a step dir, or a PEFT dir."
 
 
 _MEDIA_KEYS = ("media", "images", "image")  # `images` and `image` are older names of `media`
@@ -73,7 +73,7 @@ def _field(row: dict, many: str, one: str, where: str, valid: Callable[[object],
 
 @app.command()
 def infer(
-    adapter: Path = typer.Option(..., "--adapter", help=_CHECKPOINT_HELP),
+    adapter: Path = typer.Option(..., "--adapter", help=_CHECKPOINTS[0].upper() + _CHECKPOINTS[1:]),
     media: list[Path] = typer.Option(
         None, "--media", "--image",
         help="An input file for the recipe's encoder (an image, a .npy signal, audio...); repeat it for several "
@@ -121,7 +121,7 @@ def infer(
 
 @app.command()
 def export(
-    checkpoint: Path = typer.Argument(..., help="A run directory (its last stage's LATEST), or " + _CHECKPOINT_HELP),
+    checkpoint: Path = typer.Argument(..., help="A run directory (its last stage's LATEST), or " + _CHECKPOINTS),
     out: Path = typer.Option(..., "--out", help="Export directory."),
     format: str = typer.Option(
         "stitch", "--format", help="stitch: model/ (the merged LM, save_pretrained) + projector/ + "
@@ -148,7 +148,7 @@ def export(
 
 @app.command()
 def serve(
-    checkpoint: Path = typer.Argument(..., help="A run directory, or " + _CHECKPOINT_HELP),
+    checkpoint: Path = typer.Argument(..., help="A run directory, or " + _CHECKPOINTS),
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback by default)."),
     port: int = typer.Option(8000, "--port"),
     model_name: str = typer.Option(None, "--model-name", help="The id clients send (default: the base model's name)."),
