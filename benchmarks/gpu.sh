@@ -49,12 +49,12 @@ export PYTHONPATH=$SITE:.
 # tuning the same kernels. H100 and H200 share the sm_90 entries. A group file names its members by absolute path,
 # so the paths are pointed at this machine's cache; a missing member makes Triton compile that kernel again.
 # This call's cache (the carried entries plus its new ones) comes back as $OUT/triton_cache.tar.xz: copy it over
-# .whl's for the next call.
+# .whl's for the next call. Unpacked once per machine, like the wheels: a warm machine's cache already holds it.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 mkdir -p "$TRITON_CACHE_DIR"
-if [ -f .whl/triton_cache.tar.xz ]; then
-  tar xJf .whl/triton_cache.tar.xz -C "$TRITON_CACHE_DIR"
-  python3 - "$TRITON_CACHE_DIR" <<'PY'
+if [ -f .whl/triton_cache.tar.xz ] && [ ! -f "$SITE/.installed-triton-cache" ]; then
+  tar xJf .whl/triton_cache.tar.xz -C "$TRITON_CACHE_DIR" \
+    && python3 - "$TRITON_CACHE_DIR" <<'PY' && touch "$SITE/.installed-triton-cache"
 import json, pathlib, sys
 for group in pathlib.Path(sys.argv[1]).glob("*/__grp__*.json"):
     data = json.loads(group.read_text())
