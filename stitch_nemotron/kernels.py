@@ -77,7 +77,7 @@ def fla_norm(norm, y, gate):
     dtype) as fla's fused kernel; a norm without the fields it reads keeps its own forward."""
     eps, group = getattr(norm, "variance_epsilon", None), getattr(norm, "group_size", None)
     if eps is None or group is None or getattr(norm, "bias", None) is not None:
-        return norm(y, gate)
+        return reference_norm(norm, y, gate)
     from fla.modules.norm.layernorm_gated import rmsnorm_fn  # optional: fla ([kernels] extra)
 
     return rmsnorm_fn(y, norm.weight, None, z=gate, eps=eps, group_size=group, norm_before_gate=False)
