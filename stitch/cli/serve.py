@@ -129,8 +129,9 @@ def export(
         "AutoProcessor, the image-text-to-text pipeline), for CLIP-family encoders with an mlp2x_gelu or linear "
         "projector; other encoders are refused (use stitch)."),
 ) -> None:
-    """Merge the adapter into the base LM (or put a full fine-tune's LM weights in) and write it in the chosen format
-    (see --format)."""
+    """Merge the adapter into the base LM and write it in the chosen format (see --format).
+
+    A full fine-tune's checkpoint holds the LM's own weights: those are written in place of the base's."""
     from stitch.serve.export import export_checkpoint  # deferred: stitch --help skips torch
     from stitch.serve.llava_export import export_llava  # deferred: stitch --help skips torch
 
@@ -162,8 +163,10 @@ def serve(
                                          help="Seconds a connection may stay open without sending request headers."),
     body_timeout: float = typer.Option(30, "--body-timeout", help="Seconds a request body may take to arrive (408)."),
 ) -> None:
-    """Serve a checkpoint over an OpenAI-compatible API: POST /v1/chat/completions (streaming, n, sampling, several
-    media per message, multi-turn), GET /v1/models, GET /health; concurrent requests are batched."""
+    """Serve a checkpoint over an OpenAI-compatible API; concurrent requests are batched.
+
+    POST /v1/chat/completions (streaming, n, sampling, several media per message, multi-turn), GET /v1/models,
+    GET /health."""
     from stitch.serve.chat import Limits  # deferred: stitch --help skips torch (via the batching engine)
 
     try:

@@ -28,8 +28,10 @@ def snapshot(
     init_device: str = typer.Option("cpu", "--init-device", help="Where weights are initialised: cpu, or cuda "
                                                                   "(a 35B write is then disk-bound, not RNG-bound)."),
 ) -> None:
-    """Write config.json, tokenizer and seeded random weights under the published key names, shard by shard (the
-    host never holds the whole model), so `model: {name: MODEL, snapshot: OUT}` in a recipe trains offline."""
+    """Write a model's published layout with seeded random weights, so a recipe trains offline.
+
+    config.json, tokenizer and weights go under the published key names, shard by shard (the host never holds the
+    whole model); `model: {name: MODEL, snapshot: OUT}` in a recipe then trains on them."""
     import torch  # deferred: stitch --help skips torch
 
     from stitch.model.snapshots import write_model_snapshot  # deferred: stitch --help skips torch

@@ -6,6 +6,7 @@ import io
 import os
 import subprocess
 import sys
+from typing import Any
 
 from rich.console import Console
 
@@ -33,3 +34,25 @@ def test_a_table_on_a_narrow_terminal_wraps_its_cells_instead_of_an_ellipsis():
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 30
     cells = "".join(line.split("│")[2].strip() for line in text.splitlines() if line.count("│") == 3)
     assert LONG in cells  # the hook name's pieces, read down its column, spell it whole
+
+
+def test_every_commands_summary_in_stitch_help_is_one_line_of_its_docstring():
+    """`stitch --help` lists each command with its docstring's first paragraph, newlines kept: a summary written
+    over two lines prints as a broken line there, so it must fit one."""
+    import typer.main
+
+    from stitch.cli.main import app
+
+    def commands(group: Any, prefix: str) -> list[tuple[str, Any]]:
+        found = []
+        for name, command in group.commands.items():
+            found.append((prefix + name, command))
+            if hasattr(command, "commands"):  # a group (`stitch recipe`): its subcommands too
+                found += commands(command, f"{prefix}{name} ")
+        return found
+
+    found = commands(typer.main.get_command(app), "")
+    assert len(found) >= 15, [name for name, _ in found]
+    for name, command in found:
+        summary = (command.help or "").strip().split("\n\n")[0]
+        assert summary and "\n" not in summary, f"`stitch {name}`: summary spans lines: {summary!r}"
