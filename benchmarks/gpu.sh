@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu.sh tests [-- tests/rollout]   # `pytest -m gpu`, one file at a time (TEST_TIMEOUT s each), JUnit XML
 # The device copy's git metadata is stale, so the JSONs take their commit from STITCH_BENCH_COMMIT (passed through).
 # Setup is idempotent: a warm machine skips the installs. Each suite gets SUITE_TIMEOUT seconds (default 570).
+# STITCH_CALL_ENDS (epoch seconds; `export STITCH_CALL_ENDS=$(( $(date +%s) + 570 ))` once at the call's start) caps
+# every suite and test file at the call's time left minus PACK_RESERVE (default 40 s), and skips those for which under
+# 30 s would be left, so a call cut off by its limit still packs its results and Triton's cache.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} SITE=${SITE:-/tmp/site}
 export STITCH_BENCH_COMMIT=${STITCH_BENCH_COMMIT:-}
@@ -64,6 +67,15 @@ for group in pathlib.Path(sys.argv[1]).glob("*/__grp__*.json"):
 PY
 fi
 python3 -c "import importlib.util as u, torch, triton; print('triton', triton.__version__, 'fla', bool(u.find_spec('fla')), torch.cuda.get_device_name())"
+within() {  # within SECONDS: SECONDS, or fewer when the call ends sooner (STITCH_CALL_ENDS); fails under 30 s
+  local cap=$1
+  if [ -n "${STITCH_CALL_ENDS:-}" ]; then
+    local left=$((STITCH_CALL_ENDS - $(date +%s) - ${PACK_RESERVE:-40}))
+    [ "$left" -lt "$cap" ] && cap=$left
+  fi
+  echo "$cap"
+  [ "$cap" -ge 30 ]
+}
 gpu_tests() {  # the GPU tests (`-m gpu`, tests/conftest.py), one file at a time: a slow file (fla autotuning from
   # cold) is cut off at TEST_TIMEOUT seconds and the others still run; each file's JUnit XML and log go to
   # $OUT/tests.tar.xz (one file: a device call brings back at most eight)
@@ -75,10 +87,14 @@ gpu_tests() {  # the GPU tests (`-m gpu`, tests/conftest.py), one file at a time
   files=$(grep "::" "$OUT/tests/collect.log" | cut -d: -f1 | sort -u)
   for file in $files; do
     name=$(basename "$file" .py)
-    timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -v -rs --tb=short -p no:cacheprovider \
+    local limit
+    if ! limit=$(within "${TEST_TIMEOUT:-150}"); then
+      echo "$file: not run, the call ends in $((limit + ${PACK_RESERVE:-40})) s"; status=1; continue
+    fi
+    timeout "$limit" python3 -m pytest -m gpu -v -rs --tb=short -p no:cacheprovider \
       --junitxml="$OUT/tests/$name.xml" "$file" > "$OUT/tests/$name.log" 2>&1
     local code=$?
-    [ $code -eq 124 ] && echo "$file: cut off after ${TEST_TIMEOUT:-150} s"
+    [ $code -eq 124 ] && echo "$file: cut off after $limit s"
     grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests/$name.log" | sed 's/ \[ *[0-9]*%\]$//'
     [ $code -eq 0 ] || status=1
   done
@@ -92,8 +108,11 @@ for suite in "${suites[@]}"; do
     gpu_tests "$@" || rc=1
     continue
   fi
+  if ! limit=$(within "${SUITE_TIMEOUT:-570}"); then
+    echo "$suite: not run, the call ends in $((limit + ${PACK_RESERVE:-40})) s"; rc=1; continue
+  fi
   run=(python3 benchmarks/bench.py "$suite" --shape "${SHAPE:-dense4b}" --out "$OUT" "$@")
-  timeout "${SUITE_TIMEOUT:-570}" "${run[@]}" 2>&1 | tee -a "$OUT/$suite.log" | grep -v "it/s]$" | tail -40
+  timeout "$limit" "${run[@]}" 2>&1 | tee -a "$OUT/$suite.log" | grep -v "it/s]$" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 done
 triton_cache() {  # $OUT/triton_cache.tar.xz: the cache files whose paths match $1 (find -regex); IR text,
