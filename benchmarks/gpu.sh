@@ -67,14 +67,18 @@ for group in pathlib.Path(sys.argv[1]).glob("*/__grp__*.json"):
 PY
 fi
 python3 -c "import importlib.util as u, torch, triton; print('triton', triton.__version__, 'fla', bool(u.find_spec('fla')), torch.cuda.get_device_name())"
-within() {  # within SECONDS: SECONDS, or fewer when the call ends sooner (STITCH_CALL_ENDS); fails under 30 s
-  local cap=$1
+within() {  # within WHAT SECONDS: SECONDS, or fewer when the call ends sooner (STITCH_CALL_ENDS); under 30 s it
+  # says WHAT is not run and fails
+  local cap=$2 reserve=${PACK_RESERVE:-40}
   if [ -n "${STITCH_CALL_ENDS:-}" ]; then
-    local left=$((STITCH_CALL_ENDS - $(date +%s) - ${PACK_RESERVE:-40}))
+    local left=$((STITCH_CALL_ENDS - $(date +%s) - reserve))
     [ "$left" -lt "$cap" ] && cap=$left
   fi
+  if [ "$cap" -lt 30 ]; then
+    echo "$1: not run, the call ends in $((cap + reserve)) s" >&2
+    return 1
+  fi
   echo "$cap"
-  [ "$cap" -ge 30 ]
 }
 gpu_tests() {  # the GPU tests (`-m gpu`, tests/conftest.py), one file at a time: a slow file (fla autotuning from
   # cold) is cut off at TEST_TIMEOUT seconds and the others still run; each file's JUnit XML and log go to
@@ -88,9 +92,7 @@ gpu_tests() {  # the GPU tests (`-m gpu`, tests/conftest.py), one file at a time
   for file in $files; do
     name=$(basename "$file" .py)
     local limit
-    if ! limit=$(within "${TEST_TIMEOUT:-150}"); then
-      echo "$file: not run, the call ends in $((limit + ${PACK_RESERVE:-40})) s"; status=1; continue
-    fi
+    limit=$(within "$file" "${TEST_TIMEOUT:-150}") || { status=1; continue; }
     timeout "$limit" python3 -m pytest -m gpu -v -rs --tb=short -p no:cacheprovider \
       --junitxml="$OUT/tests/$name.xml" "$file" > "$OUT/tests/$name.log" 2>&1
     local code=$?
@@ -108,9 +110,7 @@ for suite in "${suites[@]}"; do
     gpu_tests "$@" || rc=1
     continue
   fi
-  if ! limit=$(within "${SUITE_TIMEOUT:-570}"); then
-    echo "$suite: not run, the call ends in $((limit + ${PACK_RESERVE:-40})) s"; rc=1; continue
-  fi
+  limit=$(within "$suite" "${SUITE_TIMEOUT:-570}") || { rc=1; continue; }
   run=(python3 benchmarks/bench.py "$suite" --shape "${SHAPE:-dense4b}" --out "$OUT" "$@")
   timeout "$limit" "${run[@]}" 2>&1 | tee -a "$OUT/$suite.log" | grep -v "it/s]$" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
