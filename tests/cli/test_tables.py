@@ -8,9 +8,11 @@ import subprocess
 import sys
 from typing import Any
 
+import typer.main
 from rich.console import Console
 
 from stitch.cli.app import print_table, wrapping_table
+from stitch.cli.main import app
 
 LONG = "register_rollout_payloads"
 
@@ -39,10 +41,6 @@ def test_a_table_on_a_narrow_terminal_wraps_its_cells_instead_of_an_ellipsis():
 def test_every_commands_summary_in_stitch_help_is_one_line_of_its_docstring():
     """`stitch --help` lists each command with its docstring's first paragraph, newlines kept: a summary written
     over two lines prints as a broken line there, so it must fit one."""
-    import typer.main
-
-    from stitch.cli.main import app
-
     def commands(group: Any, prefix: str) -> list[tuple[str, Any]]:
         found = []
         for name, command in group.commands.items():
