@@ -9,7 +9,7 @@
 # Setup is idempotent: a warm machine skips the installs. Each suite gets SUITE_TIMEOUT seconds (default 570).
 # STITCH_CALL_ENDS (epoch seconds; `export STITCH_CALL_ENDS=$(( $(date +%s) + 570 ))` once at the call's start) caps
 # every suite and test file at the call's time left minus PACK_RESERVE (default 40 s), and skips those for which under
-# 30 s would be left, so a call cut off by its limit still packs its results and Triton's cache.
+# 30 s would be left, so a call cut off by its limit still packs the test logs and Triton's cache.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} SITE=${SITE:-/tmp/site}
 export STITCH_BENCH_COMMIT=${STITCH_BENCH_COMMIT:-}
